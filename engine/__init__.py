@@ -1,0 +1,1 @@
+"""The per-pod engine: scheduler, KV cache, model runner, models, attention, sampler, server, CLI."""
