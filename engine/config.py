@@ -1,0 +1,120 @@
+"""Configuration: one dataclass per subsystem, validated on construction.
+
+A component receives the config of its own subsystem, never the root `EngineConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass
+class ModelConfig:
+    """Which checkpoint to run and how."""
+
+    # A local checkpoint directory, "demo", or a hub id where a network exists.
+    model: str
+    # Tokenizer directory; None uses the model's.
+    tokenizer: str | None = None
+    # "auto" (float32 on CPU, the checkpoint's dtype on GPU), "float32", "bfloat16", "float16".
+    dtype: str = "auto"
+    # Longest sequence (prompt + output) a request may reach; None takes the checkpoint's.
+    max_model_len: int | None = None
+    # Seed for the default random generator (unseeded sampling, demo weights).
+    seed: int = 0
+    # Name the server reports for the model; None uses `model`.
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(bool(self.model), "model must name a checkpoint directory, 'demo' or a hub id")
+        _require(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}",
+        )
+        _require(
+            self.max_model_len is None or self.max_model_len >= 1,
+            f"max_model_len must be >= 1, got {self.max_model_len}",
+        )
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache."""
+
+    # Tokens per KV block.
+    block_size: int = 16
+    # Reuse the KV blocks of identical prompt prefixes across requests.
+    enable_prefix_caching: bool = True
+    # CPU: bytes of memory given to the KV cache (default 1 GiB).
+    kv_cache_memory_bytes: int | None = None
+    # GPU: fraction of device memory the engine may use in all (weights + KV cache).
+    gpu_memory_utilization: float = 0.9
+    # Exact number of blocks (including the null block), overriding the memory budget.
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            f"block_size must be a power of two in [1, 128], got {self.block_size}",
+        )
+        _require(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}",
+        )
+        _require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _require(
+            self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
+            f"num_gpu_blocks_override must be >= 2 (block 0 is reserved), "
+            f"got {self.num_gpu_blocks_override}",
+        )
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    # Requests running at once.
+    max_num_seqs: int = 256
+    # Tokens (prefill chunks + decodes) computed in one step.
+    max_num_batched_tokens: int = 2048
+    # Split a prompt that does not fit the step's remaining token budget.
+    enable_chunked_prefill: bool = True
+    # "fcfs": arrival order; "priority": lower `priority` value first, then arrival.
+    policy: SchedulingPolicy = "fcfs"
+    # Filled in by the engine from ModelConfig once the checkpoint is known.
+    max_model_len: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(
+            self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        _require(
+            self.policy in ("fcfs", "priority"),
+            f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}",
+        )
+
+
+@dataclass
+class EngineConfig:
+    """Everything one engine needs; split into the subsystems' own configs."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Attention backend: "torch" (CPU path and reference) or "triton".
+    attention_backend: str = "torch"
+    # "cpu", "cuda", or "auto" (cuda when available).
+    device: str = "auto"

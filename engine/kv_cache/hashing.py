@@ -1,0 +1,45 @@
+"""Chained block hashes for prefix caching.
+
+The hash of full block `i` covers the hash of block `i - 1`, the block's token ids and the
+request's extra keys (a hash of prompt embeddings or of an encoder input), so equal hashes
+mean equal prefixes: two requests share block `i` only if everything before it matches too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+BlockHash = bytes
+
+# The parent of a request's first block.
+ROOT_HASH: BlockHash = b"\x00" * 32
+
+
+def hash_block_tokens(
+    parent_hash: BlockHash, token_ids: list[int] | np.ndarray, extra_keys: bytes | None = None
+) -> BlockHash:
+    """Returns the 32-byte hash of one full block given its parent's hash."""
+    digest = hashlib.sha256(parent_hash)
+    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    if extra_keys:
+        digest.update(b"|extra|")
+        digest.update(extra_keys)
+    return digest.digest()
+
+
+def hash_request_blocks(
+    token_ids: list[int],
+    block_size: int,
+    known_hashes: list[BlockHash],
+    extra_keys: bytes | None = None,
+) -> list[BlockHash]:
+    """Extends `known_hashes` (in place) with the hashes of every newly full block."""
+    num_full = len(token_ids) // block_size
+    parent = known_hashes[-1] if known_hashes else ROOT_HASH
+    for i in range(len(known_hashes), num_full):
+        block = token_ids[i * block_size : (i + 1) * block_size]
+        parent = hash_block_tokens(parent, block, extra_keys)
+        known_hashes.append(parent)
+    return known_hashes

@@ -1,0 +1,241 @@
+"""Runs one scheduled step: update the persistent batch, prepare inputs, forward, sample."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvferry.engine.attention import AttentionMetadata, KVCacheView, get_attention_backend
+from kvferry.engine.config import CacheConfig
+from kvferry.engine.models.config import ModelArchConfig
+from kvferry.engine.models.loader import load_model
+from kvferry.engine.runner.input_batch import CachedRequestState, InputBatch
+from kvferry.engine.runner.prepare_inputs import InputBuffers, PreparedInputs, prepare_inputs
+from kvferry.engine.sample.metadata import SamplingMetadata
+from kvferry.engine.sample.sampler import Sampler, SamplerOutput
+from kvferry.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# Default KV cache budget on CPU when none is configured.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def kv_cache_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block: every layer's keys and values for `block_size` tokens."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_size * element_size
+
+
+def determine_num_blocks(
+    arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device
+) -> int:
+    """Blocks (the null block included) that fit the configured memory budget."""
+    if cache.num_gpu_blocks_override is not None:
+        return cache.num_gpu_blocks_override
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        budget = int(total * cache.gpu_memory_utilization) - used
+    else:
+        budget = cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+    num_blocks = budget // kv_cache_block_bytes(arch, cache.block_size, dtype)
+    if num_blocks < 2:
+        raise ValueError(
+            f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of "
+            f"{cache.block_size} tokens; at least 2 are needed: raise kv_cache_memory_bytes "
+            "or gpu_memory_utilization"
+        )
+    return int(num_blocks)
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensor and the persistent input batch."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        arch: ModelArchConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        cache: CacheConfig,
+        num_blocks: int,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        attention_backend: str = "torch",
+    ) -> None:
+        self.arch = arch
+        self.device = device
+        self.block_size = cache.block_size
+        self.attn_backend = get_attention_backend(attention_backend)
+        self.model = load_model(model_dir, dtype, self.attn_backend, device)
+        self.kv_cache, self.kv_caches = self._allocate_kv_cache(num_blocks, dtype)
+        self.input_batch = InputBatch(max_num_reqs, max_model_len, cache.block_size, device)
+        self.buffers = InputBuffers.allocate(max_num_batched_tokens, max_num_reqs)
+        self.sampler = Sampler()
+        # Every request the runner knows, in the batch or not (unscheduled this step).
+        self.requests: dict[str, CachedRequestState] = {}
+        # Seeded generators by request; they outlive preemption (see _generator_for).
+        self._generators: dict[str, torch.Generator] = {}
+
+    def _allocate_kv_cache(
+        self, num_blocks: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, list[KVCacheView]]:
+        arch = self.arch
+        # Blocks outermost, so one block is one contiguous region across all layers.
+        shape = (num_blocks, arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_size)
+        kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        views = [(kv_cache[:, i, 0], kv_cache[:, i, 1]) for i in range(arch.num_layers)]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB), shape %s",
+            num_blocks, self.block_size, kv_cache.numel() * kv_cache.element_size() / 2**20,
+            tuple(shape),
+        )
+        return kv_cache, views
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        batch = self.input_batch
+        req_ids = batch.active_req_ids
+        num_scheduled = np.fromiter(
+            (scheduler_output.num_scheduled_tokens[r] for r in req_ids), np.int64, len(req_ids)
+        )
+        prepared = prepare_inputs(
+            num_scheduled, batch.num_computed_tokens, batch.num_tokens, batch.token_ids.np,
+            batch.block_table.np, self.block_size, self.buffers,
+        )
+        metadata = self._attention_metadata(prepared)
+        hidden = self.model(
+            torch.from_numpy(prepared.input_ids).to(self.device),
+            torch.from_numpy(prepared.positions).to(self.device),
+            self.kv_caches,
+            metadata,
+        )
+        logits = self.model.compute_logits(hidden[torch.from_numpy(prepared.logits_indices)])
+        sampled_rows = prepared.sampled_rows.tolist()
+        sampling_metadata = self._sampling_metadata(sampled_rows, scheduler_output)
+        sampler_output = self.sampler(logits, sampling_metadata)
+        return self._record_samples(sampled_rows, sampler_output, sampling_metadata)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        """Applies the scheduler's diff to the persistent batch."""
+        batch = self.input_batch
+        gone = so.finished_req_ids | so.preempted_req_ids
+        for req_id in gone:
+            self.requests.pop(req_id, None)
+        # Rows not scheduled this step leave the batch (their state is kept).
+        unscheduled = [r for r in batch.active_req_ids if r not in so.num_scheduled_tokens]
+        batch.remove_requests(gone | set(unscheduled))
+        for new in so.scheduled_new_reqs:
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.token_ids[: new.num_prompt_tokens],
+                sampling_params=new.sampling_params,
+                generator=self._generator_for(new.req_id, new.sampling_params.seed),
+                output_token_ids=new.token_ids[new.num_prompt_tokens :],
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+            self.requests[new.req_id] = state
+            batch.add_request(state)
+        cached = so.scheduled_cached_reqs
+        for req_id, new_block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            state = self.requests[req_id]
+            state.num_computed_tokens = num_computed
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:
+                state.block_ids.extend(new_block_ids)
+                batch.add_request(state)
+            else:
+                batch.append_block_ids(row, new_block_ids)
+                batch.num_computed_tokens[row] = num_computed
+
+    def _generator_for(self, req_id: str, seed: int | None) -> torch.Generator | None:
+        # A request resumed after preemption keeps its generator, so its samples do not
+        # depend on whether it was preempted.
+        previous = self._generators.get(req_id)
+        if previous is not None or seed is None:
+            return previous
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._generators[req_id] = generator
+        return generator
+
+    def forget_requests(self, req_ids: set[str]) -> None:
+        """Drops per-request state that outlives the batch row (seeded generators)."""
+        for req_id in req_ids:
+            self._generators.pop(req_id, None)
+
+    def _attention_metadata(self, prepared: PreparedInputs) -> AttentionMetadata:
+        num_reqs = prepared.seq_lens.shape[0]
+        device = self.device
+        return AttentionMetadata(
+            num_reqs=num_reqs,
+            num_actual_tokens=prepared.positions.shape[0],
+            max_query_len=prepared.max_query_len,
+            max_seq_len=prepared.max_seq_len,
+            query_start_loc=torch.from_numpy(prepared.query_start_loc).to(device),
+            seq_lens=torch.from_numpy(prepared.seq_lens).to(device),
+            block_table=self.input_batch.block_table.copy_to_device(num_reqs),
+            slot_mapping=torch.from_numpy(prepared.slot_mapping).to(device),
+            query_start_loc_np=prepared.query_start_loc,
+            seq_lens_np=prepared.seq_lens,
+        )
+
+    def _sampling_metadata(self, rows: list[int], so: SchedulerOutput) -> SamplingMetadata:
+        states = [self.input_batch.states[row] for row in rows]
+        generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+        blocked = {
+            i: so.blocked_stop_token_ids[s.req_id]
+            for i, s in enumerate(states)
+            if s.req_id in so.blocked_stop_token_ids
+        }
+        return SamplingMetadata.build(
+            params=[s.sampling_params for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            prompt_token_ids=[s.prompt_token_ids for s in states],
+            generators=generators,
+            stop_token_ids_to_block=blocked,
+            vocab_size=self.arch.vocab_size,
+            device=self.device,
+        )
+
+    def _record_samples(
+        self, rows: list[int], output: SamplerOutput, metadata: SamplingMetadata
+    ) -> ModelRunnerOutput:
+        batch = self.input_batch
+        token_ids = output.sampled_token_ids.tolist()
+        req_ids = []
+        for row, token_id in zip(rows, token_ids):
+            state = batch.states[row]
+            state.output_token_ids.append(token_id)
+            batch.append_token(row, token_id)
+            req_ids.append(state.req_id)
+        return ModelRunnerOutput(req_ids, token_ids, self._logprobs_lists(rows, output))
+
+    def _logprobs_lists(
+        self, rows: list[int], output: SamplerOutput
+    ) -> list[list[tuple[int, float, int]]] | None:
+        tensors = output.logprobs
+        if tensors is None:
+            return None
+        ids, values, ranks = tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks.tolist()
+        result = []
+        for i, row in enumerate(rows):
+            wanted = self.input_batch.states[row].sampling_params.logprobs
+            if wanted is None:
+                result.append([])
+                continue
+            entries = [(ids[i][0], values[i][0], ranks[i])]
+            entries += [(ids[i][j], values[i][j], j) for j in range(1, wanted + 1)]
+            result.append(entries)
+        return result
