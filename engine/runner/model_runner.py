@@ -119,8 +119,10 @@ class ModelRunner:
             self.kv_caches,
             metadata,
         )
-        logits = self.model.compute_logits(hidden[torch.from_numpy(prepared.logits_indices)])
         sampled_rows = prepared.sampled_rows.tolist()
+        if not sampled_rows:  # every request is mid-prefill
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        logits = self.model.compute_logits(hidden[torch.from_numpy(prepared.logits_indices)])
         sampling_metadata = self._sampling_metadata(sampled_rows, scheduler_output)
         sampler_output = self.sampler(logits, sampling_metadata)
         return self._record_samples(sampled_rows, sampler_output, sampling_metadata)

@@ -1,0 +1,153 @@
+"""The architecture of a checkpoint, read from its `config.json` (and generation config)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with path.open(encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _as_id_list(value: Any) -> list[int]:
+    """An eos field is an int, a list of ints, or absent."""
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _require(raw: dict[str, Any], key: str) -> Any:
+    if raw.get(key) is None:
+        raise ValueError(f"config.json lacks the required field {key!r}")
+    return raw[key]
+
+
+def _rope_params(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Returns `(rope_theta, rope_scaling)` from either config layout.
+
+    transformers 4 writes `rope_theta` at the top level and `rope_scaling` beside it;
+    transformers 5 writes one `rope_parameters` dict holding `rope_theta` too. The
+    scaling comes back with its type under `rope_type` (older files say `type`), and
+    as None when it is plain rope.
+    """
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    rope_type = scaling.pop("type", None)
+    scaling.setdefault("rope_type", rope_type or "default")
+    if scaling["rope_type"] == "default":
+        return float(theta), None
+    return float(theta), scaling
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """What the model definitions need to know about a decoder-only checkpoint."""
+
+    # The HF class name, e.g. "LlamaForCausalLM" (first of `architectures`).
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    # Query heads; `num_kv_heads` divides it (GQA), 1 is MQA.
+    num_heads: int
+    num_kv_heads: int
+    # `head_dim` when the config gives one (Qwen3 does), else hidden_size // num_heads.
+    head_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    # None for plain rope; else the scaling dict with its `rope_type` ("llama3", ...).
+    rope_scaling: dict[str, Any] | None
+    tie_word_embeddings: bool
+    # Bias on the attention projections (Llama, Qwen3: q/k/v and o; Qwen2 ignores it).
+    attention_bias: bool
+    bos_token_id: int | None
+    # Union of config.json's and generation_config.json's eos ids, in first-seen order.
+    eos_token_ids: list[int]
+    # The checkpoint's stored dtype name ("bfloat16", ...), None when unstated.
+    torch_dtype: str | None
+    hidden_act: str = "silu"
+    mlp_bias: bool = False
+    # config.json as read, with generation_config.json under "generation_config"; for
+    # fields not modeled here.
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "intermediate_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_size",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: Path) -> ModelArchConfig:
+        """Reads `model_dir/config.json` and, when present, `generation_config.json`."""
+        model_dir = Path(model_dir)
+        config_path = model_dir / "config.json"
+        if not config_path.is_file():
+            raise ValueError(f"{model_dir} has no config.json; is it an HF checkpoint directory?")
+        raw = _read_json(config_path)
+        gen_path = model_dir / "generation_config.json"
+        generation = _read_json(gen_path) if gen_path.is_file() else {}
+        return cls.from_dict(raw, generation)
+
+    @classmethod
+    def from_dict(
+        cls, raw: dict[str, Any], generation: dict[str, Any] | None = None
+    ) -> ModelArchConfig:
+        """Builds the config from parsed `config.json` (and generation config) dicts."""
+        generation = generation or {}
+        architectures = raw.get("architectures") or []
+        if not architectures:
+            raise ValueError("config.json has no 'architectures' entry naming the model class")
+        num_heads = int(_require(raw, "num_attention_heads"))
+        hidden_size = int(_require(raw, "hidden_size"))
+        rope_theta, rope_scaling = _rope_params(raw)
+        eos_ids = _as_id_list(raw.get("eos_token_id")) + _as_id_list(generation.get("eos_token_id"))
+        bos = raw.get("bos_token_id", generation.get("bos_token_id"))
+        return cls(
+            architecture=str(architectures[0]),
+            num_layers=int(_require(raw, "num_hidden_layers")),
+            hidden_size=hidden_size,
+            intermediate_size=int(_require(raw, "intermediate_size")),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_size=int(raw.get("head_dim") or hidden_size // num_heads),
+            vocab_size=int(_require(raw, "vocab_size")),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=list(dict.fromkeys(eos_ids)),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            hidden_act=str(raw.get("hidden_act", "silu")),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            raw={**raw, "generation_config": generation},
+        )

@@ -1,0 +1,156 @@
+"""Builds a model from an HF checkpoint directory of safetensors files.
+
+Checkpoint names map onto the model's parameters one to one, except for the fused
+projections: `...self_attn.q_proj.weight` fills the first row block of
+`...self_attn.qkv_proj.weight`, `k_proj` the second, and so on (the model's
+`packed_modules_mapping` says which). Extra checkpoint tensors (rotary `inv_freq`, a
+tied `lm_head`) are ignored; a missing one is an error.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvferry.engine.attention.backend import AttentionBackend
+from kvferry.engine.layers.linear import Linear
+from kvferry.engine.models.config import ModelArchConfig
+from kvferry.engine.models.registry import get_model_class
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+# How many missing names an error spells out before it only counts the rest.
+_MAX_NAMES_SHOWN = 8
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one checkpoint tensor goes: a parameter, or one row block of a fused one."""
+
+    param_name: str
+    # Row block of a fused `Linear`; None when the tensor fills the whole parameter.
+    shard_index: int | None
+
+
+def resolve_dtype(
+    name: str | None, arch: ModelArchConfig, device: torch.device | None = None
+) -> torch.dtype:
+    """Turns a `--dtype` value into a torch dtype.
+
+    "auto" (or None) means float32 on a CPU, where half-precision matmuls are slow, and
+    the checkpoint's own dtype (float32 if unstated) on an accelerator.
+    """
+    if name is None or name == "auto":
+        if device is None or device.type == "cpu":
+            return torch.float32
+        return _DTYPES.get(arch.torch_dtype or "float32", torch.float32)
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; supported: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files: the index's shards, or `model.safetensors`."""
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        with index_path.open(encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        absent = [str(p.name) for p in files if not p.is_file()]
+        if absent:
+            raise ValueError(f"{index_path} names shard files that do not exist: {absent}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ValueError(
+        f"{model_dir} has neither model.safetensors nor model.safetensors.index.json; "
+        "only safetensors checkpoints are supported"
+    )
+
+
+def _checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
+    """Maps every checkpoint tensor name the model needs to where it is copied."""
+    packed: dict[str, tuple[str, ...]] = getattr(model, "packed_modules_mapping", {})
+    targets: dict[str, _Target] = {}
+    for param_name, _ in model.named_parameters():
+        module_path, leaf = param_name.rsplit(".", 1)
+        parent, _, module_name = module_path.rpartition(".")
+        prefix = f"{parent}." if parent else ""
+        if module_name in packed:
+            for index, part in enumerate(packed[module_name]):
+                targets[f"{prefix}{part}.{leaf}"] = _Target(param_name, index)
+        else:
+            targets[param_name] = _Target(param_name, None)
+    return targets
+
+
+def _missing_error(model_dir: Path, missing: list[str]) -> ValueError:
+    shown = ", ".join(missing[:_MAX_NAMES_SHOWN])
+    more = f" and {len(missing) - _MAX_NAMES_SHOWN} more" if len(missing) > _MAX_NAMES_SHOWN else ""
+    return ValueError(
+        f"checkpoint {model_dir} is missing {len(missing)} tensors the model needs: {shown}{more}"
+    )
+
+
+def _copy_tensor(model: nn.Module, name: str, target: _Target, tensor: torch.Tensor) -> None:
+    param = model.get_parameter(target.param_name)
+    dest = param.data
+    if target.shard_index is not None:
+        module = model.get_submodule(target.param_name.rsplit(".", 1)[0])
+        if not isinstance(module, Linear):
+            raise TypeError(f"{target.param_name} is listed as packed but is not a Linear")
+        start, end = module.shard_rows(target.shard_index)
+        dest = dest[start:end]
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ValueError(
+            f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+            f"the model expects {tuple(dest.shape)}"
+        )
+    dest.copy_(tensor)
+
+
+def load_weights(model: nn.Module, model_dir: Path) -> None:
+    """Fills every parameter of `model` from the safetensors files in `model_dir`."""
+    from safetensors import safe_open
+
+    files = checkpoint_files(model_dir)
+    targets = _checkpoint_targets(model)
+    names_by_file: dict[Path, list[str]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            names_by_file[path] = [n for n in f.keys() if n in targets]
+    found = {n for names in names_by_file.values() for n in names}
+    missing = sorted(set(targets) - found)
+    if missing:
+        raise _missing_error(model_dir, missing)
+    for path, names in names_by_file.items():
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in names:
+                _copy_tensor(model, name, targets[name], f.get_tensor(name))
+
+
+def load_model(
+    model_dir: Path,
+    dtype: torch.dtype,
+    attn_backend: AttentionBackend,
+    device: torch.device,
+) -> nn.Module:
+    """Builds the checkpoint's model class on `device` in `dtype` and loads its weights."""
+    model_dir = Path(model_dir)
+    config = ModelArchConfig.from_pretrained(model_dir)
+    model_class = get_model_class(config.architecture)
+    with torch.device(device):
+        model = model_class(config, attn_backend, dtype)
+    load_weights(model, model_dir)
+    return model.eval()

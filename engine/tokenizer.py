@@ -1,0 +1,123 @@
+"""Text <-> token ids from a checkpoint's `tokenizer.json`, without transformers.
+
+`tokenizer.json` holds the whole pipeline (normalizer, pre-tokenizer, model, post
+processor, decoder) and the `tokenizers` library runs it; `tokenizer_config.json` adds
+the special tokens' names, the decode clean-up flag, and the chat template
+(transformers 5 keeps the template in `chat_template.jinja` instead). Whether a BOS is
+prepended is the post processor's business, as in transformers' generic fast
+tokenizer; `add_bos_token` in the config is not consulted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import tokenizers
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token in tokenizer_config is a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _read_chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        # Several named templates: the one called "default" is the chat template.
+        named = {t.get("name"): t.get("template") for t in template}
+        return named.get("default")
+    return template
+
+
+def _clean_up_tokenization(text: str) -> str:
+    """The spacing clean-up HF applies when `clean_up_tokenization_spaces` is set."""
+    for before, after in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
+        text = text.replace(before, after)
+    return text
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer: `encode`, `decode`, its special ids and chat template."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        clean_up_tokenization_spaces: bool = False,
+        chat_template: str | None = None,
+    ) -> None:
+        self._backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id: int | None = backend.token_to_id(bos_token) if bos_token else None
+        self.eos_token_id: int | None = backend.token_to_id(eos_token) if eos_token else None
+        # The clean-up strips real spaces before punctuation from BPE output, so (like
+        # transformers 5) it only applies to other models, such as WordPiece.
+        is_bpe = type(backend.model).__name__ == "BPE"
+        self.clean_up_tokenization_spaces = clean_up_tokenization_spaces and not is_bpe
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_pretrained(cls, model_dir: Path) -> Tokenizer:
+        """Loads `model_dir/tokenizer.json` and, when present, `tokenizer_config.json`."""
+        import tokenizers
+
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(
+                f"{model_dir} has no tokenizer.json; only tokenizers-library (fast) "
+                "tokenizers are supported"
+            )
+        config_path = model_dir / "tokenizer_config.json"
+        config: dict[str, Any] = {}
+        if config_path.is_file():
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        return cls(
+            tokenizers.Tokenizer.from_file(str(path)),
+            bos_token=_token_content(config.get("bos_token")),
+            eos_token=_token_content(config.get("eos_token")),
+            clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
+            chat_template=_read_chat_template(model_dir, config),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added (special) tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens`, BOS/EOS as the tokenizer adds them."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `token_ids`; special tokens are dropped unless `skip_special_tokens` is False."""
+        text = self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        if self.clean_up_tokenization_spaces:
+            text = _clean_up_tokenization(text)
+        return text
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of `token`, or None when it is not in the vocabulary."""
+        return self._backend.token_to_id(token)

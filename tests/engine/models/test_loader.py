@@ -1,0 +1,159 @@
+"""load_model: names, fusing, dtypes, and errors for incomplete checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvferry.engine.attention.torch_backend import TorchAttentionBackend
+from kvferry.engine.models.config import ModelArchConfig
+from kvferry.engine.models.loader import load_model, resolve_dtype
+
+CPU = torch.device("cpu")
+PROMPTS = [[5, 9, 200, 31, 7], [44], [3, 3, 90]]
+
+
+def _load(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    return load_model(path, dtype, TorchAttentionBackend(), CPU)
+
+
+def _rewrite_weights(src: Path, dst: Path, edit) -> Path:
+    """Copies checkpoint `src` to `dst` with its single weights file passed through `edit`."""
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    save_file(edit(weights), str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_fused_projections_hold_checkpoint_tensors(make_checkpoint):
+    path = make_checkpoint("Qwen2ForCausalLM")
+    model = _load(path)
+    weights = load_file(str(path / "model.safetensors"))
+    attn = model.model.layers[1].self_attn
+    expected_w = torch.cat([weights[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    expected_b = torch.cat([weights[f"model.layers.1.self_attn.{p}_proj.bias"] for p in "qkv"])
+    assert torch.equal(attn.qkv_proj.weight, expected_w)
+    assert torch.equal(attn.qkv_proj.bias, expected_b)
+    assert attn.o_proj.bias is None
+    mlp = model.model.layers[0].mlp
+    expected = torch.cat([weights[f"model.layers.0.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+    assert torch.equal(mlp.gate_up_proj.weight, expected)
+
+
+def test_tied_model_has_no_lm_head(make_checkpoint):
+    path = make_checkpoint(tie_word_embeddings=True)
+    assert "lm_head.weight" not in load_file(str(path / "model.safetensors"))
+    model = _load(path)
+    assert model.lm_head is None
+    hidden = torch.randn(3, 64)
+    expected = hidden @ model.model.embed_tokens.weight.T  # (3, vocab_size)
+    torch.testing.assert_close(model.compute_logits(hidden), expected)
+
+
+def test_sharded_equals_single_file(make_checkpoint):
+    single = _load(make_checkpoint(seed=3))
+    sharded_path = make_checkpoint(seed=3, sharded=True)
+    assert (
+        len(
+            set(
+                json.loads((sharded_path / "model.safetensors.index.json").read_text())[
+                    "weight_map"
+                ].values()
+            )
+        )
+        > 1
+    )
+    sharded = _load(sharded_path)
+    for (name, a), (_, b) in zip(single.named_parameters(), sharded.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_missing_tensors_are_listed(make_checkpoint, tmp_path):
+    def drop_layer_1(weights):
+        return {k: v for k, v in weights.items() if not k.startswith("model.layers.1.")}
+
+    path = _rewrite_weights(make_checkpoint(), tmp_path / "ckpt", drop_layer_1)
+    with pytest.raises(ValueError) as err:
+        _load(path)
+    message = str(err.value)
+    assert "is missing 9 tensors the model needs: " in message
+    assert "model.layers.1.input_layernorm.weight, model.layers.1.mlp.down_proj.weight" in message
+    assert message.endswith("and 1 more")
+
+
+def test_missing_lm_head_of_untied_model(make_checkpoint, tmp_path):
+    path = _rewrite_weights(
+        make_checkpoint(),
+        tmp_path / "ckpt",
+        lambda w: {k: v for k, v in w.items() if k != "lm_head.weight"},
+    )
+    with pytest.raises(ValueError, match=r"is missing 1 tensors the model needs: lm_head.weight$"):
+        _load(path)
+
+
+def test_unexpected_tensors_are_ignored(make_checkpoint, tmp_path):
+    extra = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}
+    original = make_checkpoint()
+    path = _rewrite_weights(original, tmp_path / "ckpt", lambda w: {**w, **extra})
+    for (name, a), (_, b) in zip(
+        _load(original).named_parameters(), _load(path).named_parameters()
+    ):
+        assert torch.equal(a, b), name
+
+
+def test_wrong_shape_is_named(make_checkpoint, tmp_path):
+    def shrink(weights):
+        weights["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(16, 64)
+        return weights
+
+    path = _rewrite_weights(make_checkpoint(), tmp_path / "ckpt", shrink)
+    with pytest.raises(
+        ValueError,
+        match=r"model.layers.0.self_attn.k_proj.weight has shape "
+        r"\(16, 64\), the model expects \(32, 64\)",
+    ):
+        _load(path)
+
+
+def test_no_safetensors(tmp_path, make_checkpoint):
+    shutil.copy(make_checkpoint() / "config.json", tmp_path / "config.json")
+    with pytest.raises(ValueError, match="neither model.safetensors nor"):
+        _load(tmp_path)
+
+
+def test_bfloat16_loading(make_checkpoint, paged_run):
+    path = make_checkpoint()
+    model32, model16 = _load(path), _load(path, torch.bfloat16)
+    assert {p.dtype for p in model16.parameters()} == {torch.bfloat16}
+    assert model16.model.rotary_emb.cos_cache.dtype == torch.bfloat16
+    logits32 = paged_run(model32, num_reqs=3, max_len=8).step(PROMPTS)
+    logits16 = paged_run(model16, num_reqs=3, max_len=8, dtype=torch.bfloat16).step(PROMPTS)
+    for a, b in zip(logits32, logits16):
+        assert b.dtype == torch.float32
+        torch.testing.assert_close(b, a, atol=0.15, rtol=0.05)
+
+
+def test_bfloat16_checkpoint_upcast_matches_hf(make_checkpoint, hf_logits, paged_run):
+    path = make_checkpoint(dtype="bfloat16")
+    model = _load(path)
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    for prompt, logits in zip(PROMPTS, paged_run(model, num_reqs=3, max_len=8).step(PROMPTS)):
+        torch.testing.assert_close(logits, hf_logits(path, prompt), atol=1e-4, rtol=0)
+
+
+def test_resolve_dtype(make_checkpoint):
+    arch = ModelArchConfig.from_pretrained(make_checkpoint(dtype="bfloat16"))
+    assert arch.torch_dtype == "bfloat16"
+    assert resolve_dtype("auto", arch) == torch.float32
+    assert resolve_dtype(None, arch) == torch.float32
+    assert resolve_dtype("auto", arch, torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("bfloat16", arch) == torch.bfloat16
+    assert resolve_dtype("float16", arch) == torch.float16
+    assert resolve_dtype("float32", arch) == torch.float32
+    with pytest.raises(ValueError, match="unsupported dtype 'int8'; supported: auto, float32"):
+        resolve_dtype("int8", arch)
