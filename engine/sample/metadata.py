@@ -1,0 +1,212 @@
+"""What the sampler needs to know about the rows of one step's logits.
+
+Row `i` of the logits is the `i`-th request being sampled this step. The runner builds a
+`SamplingMetadata` once per step with `SamplingMetadata.build`; every per-row value is a
+tensor on the logits' device, and every filter that no row uses is `None`, so a batch of
+plain greedy or plain random requests skips that work entirely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvferry.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling settings for one step, as tensors on the logits' device."""
+
+    # Number of logits rows (requests sampled this step).
+    num_rows: int
+    # Width of the logits rows; padded token tensors use this value as their pad id.
+    vocab_size: int
+    # Every row is greedy: the sampler returns the argmax and draws no noise.
+    all_greedy: bool
+    # No row is greedy: the sampler skips the argmax and the final merge.
+    all_random: bool
+    # (num_rows,) bool, True for greedy rows; None when all_greedy or all_random.
+    is_greedy: torch.Tensor | None
+    # (num_rows,) float32 divisor of the logits; greedy rows hold 1.0. None when all_greedy.
+    temperature: torch.Tensor | None
+    # (num_rows,) float32 top-p per row (1.0 = off); None when no row uses top-p.
+    top_p: torch.Tensor | None
+    # (num_rows,) int64 top-k per row (vocab_size = off); None when no row uses top-k.
+    top_k: torch.Tensor | None
+    # Largest enabled top-k of any row (host int, so the sampler needs no device sync).
+    max_top_k: int
+    # (num_rows,) float32 min-p per row (0.0 = off); None when no row uses min-p.
+    min_p: torch.Tensor | None
+    # Row -> that request's own seeded generator; other rows draw from the default one.
+    generators: dict[int, torch.Generator]
+    # Most logprobs any row asked for (0 = only the sampled token's); None when no row asked.
+    max_num_logprobs: int | None
+    # No row has a presence, frequency or repetition penalty.
+    no_penalties: bool
+    # (num_rows,) float32 per-row penalties; None when no_penalties.
+    presence_penalties: torch.Tensor | None
+    frequency_penalties: torch.Tensor | None
+    repetition_penalties: torch.Tensor | None
+    # (num_rows, max_prompt_len) int64 prompt ids padded with vocab_size; only built when a
+    # row has a repetition penalty (the only penalty that looks at the prompt).
+    prompt_token_ids: torch.Tensor | None
+    # (num_rows, max_output_len) int64 output ids padded with vocab_size; None when no_penalties.
+    output_token_ids: torch.Tensor | None
+    # (num_blocked,) int64 pairs (row, token id) of tokens that must not be sampled yet
+    # because the row has fewer than min_tokens outputs; None when there are none.
+    blocked_rows: torch.Tensor | None
+    blocked_token_ids: torch.Tensor | None
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        output_token_ids: list[list[int]],
+        prompt_token_ids: list[list[int]],
+        generators: dict[int, torch.Generator],
+        stop_token_ids_to_block: dict[int, list[int]],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingMetadata:
+        """Build the metadata for rows `0..len(params)-1`.
+
+        `output_token_ids[i]` and `prompt_token_ids[i]` are row i's tokens so far (read only
+        when a penalty needs them); `generators` maps a row to its seeded generator, kept by
+        the engine across steps; `stop_token_ids_to_block` maps a row to the token ids (EOS
+        and stop_token_ids) it must not sample yet because min_tokens is not reached.
+        """
+        num_rows = len(params)
+        _check_row_lists(num_rows, output_token_ids, prompt_token_ids)
+        _check_row_keys("generators", generators, num_rows)
+        _check_row_keys("stop_token_ids_to_block", stop_token_ids_to_block, num_rows)
+        greedy = [p.is_greedy for p in params]
+        all_greedy = all(greedy)
+        all_random = not any(greedy)
+        logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
+        blocked_rows, blocked_ids = _blocked_pairs(stop_token_ids_to_block, vocab_size, device)
+        metadata = cls(
+            num_rows=num_rows,
+            vocab_size=vocab_size,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            is_greedy=None,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            max_top_k=0,
+            min_p=None,
+            generators=dict(generators),
+            max_num_logprobs=max(logprob_counts) if logprob_counts else None,
+            no_penalties=True,
+            presence_penalties=None,
+            frequency_penalties=None,
+            repetition_penalties=None,
+            prompt_token_ids=None,
+            output_token_ids=None,
+            blocked_rows=blocked_rows,
+            blocked_token_ids=blocked_ids,
+        )
+        if not all_greedy:
+            metadata._fill_random(params, greedy, device)
+        if any(p.has_penalties for p in params):
+            metadata._fill_penalties(params, output_token_ids, prompt_token_ids, device)
+        return metadata
+
+    def _fill_random(
+        self, params: list[SamplingParams], greedy: list[bool], device: torch.device
+    ) -> None:
+        """Temperature and the three filters; only called when some row samples randomly."""
+        if not self.all_random:
+            self.is_greedy = torch.tensor(greedy, dtype=torch.bool, device=device)
+        # Greedy rows divide by 1.0: their result comes from the argmax, not these logits.
+        temperatures = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        self.temperature = _float_tensor(temperatures, device)
+        # Filters of greedy rows are switched off: they would only cost work.
+        random_params = [p for p, g in zip(params, greedy) if not g]
+        if any(p.top_p < 1.0 for p in random_params):
+            top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+            self.top_p = _float_tensor(top_p, device)
+        enabled_k = [min(p.top_k, self.vocab_size) for p in random_params if p.is_top_k_enabled]
+        if enabled_k and min(enabled_k) < self.vocab_size:
+            top_k = [
+                min(p.top_k, self.vocab_size) if p.is_top_k_enabled and not g else self.vocab_size
+                for p, g in zip(params, greedy)
+            ]
+            self.top_k = torch.tensor(top_k, dtype=torch.int64, device=device)
+            self.max_top_k = max(k for k in enabled_k if k < self.vocab_size)
+        if any(p.min_p > 0.0 for p in random_params):
+            min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+            self.min_p = _float_tensor(min_p, device)
+
+    def _fill_penalties(
+        self,
+        params: list[SamplingParams],
+        output_token_ids: list[list[int]],
+        prompt_token_ids: list[list[int]],
+        device: torch.device,
+    ) -> None:
+        """Penalty values and the padded token tensors they read."""
+        self.no_penalties = False
+        self.presence_penalties = _float_tensor([p.presence_penalty for p in params], device)
+        self.frequency_penalties = _float_tensor([p.frequency_penalty for p in params], device)
+        self.repetition_penalties = _float_tensor([p.repetition_penalty for p in params], device)
+        self.output_token_ids = _pad_token_ids(output_token_ids, self.vocab_size, device)
+        if any(p.repetition_penalty != 1.0 for p in params):
+            self.prompt_token_ids = _pad_token_ids(prompt_token_ids, self.vocab_size, device)
+
+
+def _check_row_lists(
+    num_rows: int, output_token_ids: list[list[int]], prompt_token_ids: list[list[int]]
+) -> None:
+    if len(output_token_ids) != num_rows:
+        raise ValueError(
+            f"output_token_ids must have one list per row ({num_rows}), got {len(output_token_ids)}"
+        )
+    if len(prompt_token_ids) != num_rows:
+        raise ValueError(
+            f"prompt_token_ids must have one list per row ({num_rows}), got {len(prompt_token_ids)}"
+        )
+
+
+def _check_row_keys(name: str, mapping: dict[int, object], num_rows: int) -> None:
+    for row in mapping:
+        if not 0 <= row < num_rows:
+            raise ValueError(f"{name} has row {row}, but rows must be in [0, {num_rows})")
+
+
+def _float_tensor(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _pad_token_ids(rows: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
+    """(num_rows, max_len) int64, each row's ids followed by `pad_id`.
+
+    The pad id is vocab_size: scattering into a vocab_size + 1 wide table and dropping the
+    last column then ignores padding without a mask.
+    """
+    max_len = max((len(ids) for ids in rows), default=0)
+    table = np.full((len(rows), max_len), pad_id, dtype=np.int64)
+    for row, ids in enumerate(rows):
+        table[row, : len(ids)] = ids
+    return torch.from_numpy(table).to(device)
+
+
+def _blocked_pairs(
+    stop_token_ids_to_block: dict[int, list[int]], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Flatten {row: [token ids]} into parallel (rows, token ids) index tensors."""
+    items = [(row, ids) for row, ids in stop_token_ids_to_block.items() if ids]
+    if not items:
+        return None, None
+    counts = np.array([len(ids) for _, ids in items], dtype=np.int64)
+    rows = np.repeat(np.array([row for row, _ in items], dtype=np.int64), counts)
+    token_ids = np.concatenate([np.asarray(ids, dtype=np.int64) for _, ids in items])
+    if token_ids.min() < 0 or token_ids.max() >= vocab_size:
+        bad = int(token_ids[(token_ids < 0) | (token_ids >= vocab_size)][0])
+        raise ValueError(
+            f"stop_token_ids_to_block has token id {bad}, but ids must be in [0, {vocab_size})"
+        )
+    return torch.from_numpy(rows).to(device), torch.from_numpy(token_ids).to(device)

@@ -1,0 +1,165 @@
+"""The sampler: one step's logits and their metadata in, one token per row out.
+
+Order of processing (vLLM's):
+
+1. block EOS/stop tokens of rows below min_tokens (-inf);
+2. repetition, frequency and presence penalties;
+3. greedy rows take the argmax of these logits;
+4. the other rows are divided by their temperature, filtered by min-p, top-k and top-p,
+   and sampled by the exponential race: argmax(probs / E) with E ~ Exponential(1) per
+   token, which picks token i with probability probs[i] without a cumulative sum.
+
+Logprobs, when asked for, are the log-softmax of the raw logits (before any of the above).
+The input logits are never modified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvferry.engine.sample.filters import apply_min_p, apply_top_k_top_p
+from kvferry.engine.sample.metadata import SamplingMetadata
+from kvferry.engine.sample.penalties import apply_penalties, block_tokens
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of the sampled tokens and of each row's top alternatives."""
+
+    # (num_rows, k + 1) int64: column 0 is the sampled token, then the k most likely tokens.
+    token_ids: torch.Tensor
+    # (num_rows, k + 1) float32: raw log-softmax of the tokens in `token_ids`.
+    logprobs: torch.Tensor
+    # (num_rows,) int64: 1-based rank of the sampled token (1 + tokens strictly more likely).
+    ranks: torch.Tensor
+
+
+@dataclass
+class SamplerOutput:
+    """What one sampler call produces."""
+
+    # (num_rows,) int64: the token sampled for each row.
+    sampled_token_ids: torch.Tensor
+    # None when no row asked for logprobs; k is metadata.max_num_logprobs for every row.
+    logprobs: LogprobsTensors | None
+
+
+class Sampler(torch.nn.Module):
+    """Samples one token per logits row according to `SamplingMetadata`."""
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """logits: (num_rows, vocab_size) float32; returns one token per row."""
+        _check_logits(logits, metadata)
+        raw_logits = logits
+        logits = logits.float()
+        logits = self.apply_logits_processors(logits, metadata)
+        sampled = self.sample(logits, metadata)
+        logprobs = None
+        if metadata.max_num_logprobs is not None:
+            logprobs = compute_logprobs(raw_logits, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def apply_logits_processors(
+        self, logits: torch.Tensor, metadata: SamplingMetadata
+    ) -> torch.Tensor:
+        """min_tokens blocking, then penalties: what greedy and random rows both see."""
+        if metadata.blocked_rows is not None and metadata.blocked_token_ids is not None:
+            logits = block_tokens(logits, metadata.blocked_rows, metadata.blocked_token_ids)
+        if not metadata.no_penalties:
+            logits = apply_penalties(
+                logits,
+                metadata.prompt_token_ids,
+                metadata.output_token_ids,
+                metadata.presence_penalties,
+                metadata.frequency_penalties,
+                metadata.repetition_penalties,
+            )
+        return logits
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """(num_rows,) int64: argmax for greedy rows, a random draw for the others."""
+        greedy = None
+        if not metadata.all_random:
+            greedy = logits.argmax(dim=-1)
+            if metadata.all_greedy:
+                return greedy
+        # Invariant: temperature (and is_greedy for mixed batches) exist unless all_greedy.
+        assert metadata.temperature is not None
+        logits = logits / metadata.temperature.unsqueeze(1)
+        if metadata.min_p is not None:
+            logits = apply_min_p(logits, metadata.min_p)
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.max_top_k, metadata.top_p)
+        probs = logits.softmax(dim=-1)
+        sampled = exponential_race(probs, metadata.generators)
+        if greedy is None:
+            return sampled
+        return torch.where(metadata.is_greedy, greedy, sampled)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """(num_rows,) int64: argmax(probs / E), E ~ Exponential(1) i.i.d. per entry.
+
+    probs[i] / E_i is the reciprocal of an exponential with rate probs[i], so the argmax is
+    the first arrival of competing exponential clocks: token i wins with probability probs[i].
+    A row in `generators` draws its whole noise row from that generator alone, so a seeded
+    request consumes the same random numbers (and gets the same tokens) whatever else is in
+    the batch. Generators on another device (CPU generators for GPU logits)
+    draw there, all such rows in one buffer that is copied over once; they must share
+    one device.
+    """
+    num_rows = probs.shape[0]
+    noise = torch.empty_like(probs)  # (num_rows, vocab_size)
+    if len(generators) < num_rows:
+        noise.exponential_()
+    remote_rows = [row for row, gen in generators.items() if gen.device != probs.device]
+    for row, generator in generators.items():
+        if generator.device == probs.device:
+            noise[row].exponential_(generator=generator)
+    if remote_rows:
+        noise[remote_rows] = _draw_remote_noise(probs, remote_rows, generators)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _draw_remote_noise(
+    probs: torch.Tensor, rows: list[int], generators: dict[int, torch.Generator]
+) -> torch.Tensor:
+    """(len(rows), vocab_size) noise drawn on each generator's device, moved in one copy."""
+    vocab_size = probs.shape[1]
+    device = generators[rows[0]].device
+    noise = torch.empty(len(rows), vocab_size, dtype=probs.dtype, device=device)
+    for index, row in enumerate(rows):
+        noise[index].exponential_(generator=generators[row])
+    return noise.to(probs.device)
+
+
+def compute_logprobs(
+    raw_logits: torch.Tensor, sampled_token_ids: torch.Tensor, num_logprobs: int
+) -> LogprobsTensors:
+    """Raw logprobs of the sampled tokens, their ranks, and the top `num_logprobs` per row."""
+    logprobs = raw_logits.float().log_softmax(dim=-1)  # (num_rows, vocab_size)
+    sampled = sampled_token_ids.unsqueeze(1)  # (num_rows, 1)
+    sampled_logprobs = logprobs.gather(1, sampled)  # (num_rows, 1)
+    ranks = (logprobs > sampled_logprobs).sum(dim=-1) + 1  # (num_rows,)
+    token_ids = sampled
+    values = sampled_logprobs
+    if num_logprobs > 0:
+        top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)  # (num_rows, k)
+        token_ids = torch.cat([sampled, top_ids], dim=1)
+        values = torch.cat([sampled_logprobs, top_logprobs], dim=1)
+    return LogprobsTensors(token_ids=token_ids, logprobs=values, ranks=ranks)
+
+
+def _check_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D (num_rows, vocab_size), got shape {logits.shape}")
+    num_rows, vocab_size = logits.shape
+    if num_rows != metadata.num_rows:
+        raise ValueError(
+            f"logits have {num_rows} rows, but metadata.num_rows is {metadata.num_rows}"
+        )
+    if vocab_size != metadata.vocab_size:
+        raise ValueError(
+            f"logits have {vocab_size} columns, but metadata.vocab_size is {metadata.vocab_size}"
+        )

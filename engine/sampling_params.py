@@ -1,0 +1,146 @@
+"""Per-request sampling parameters, with vLLM's names and defaults.
+
+A `SamplingParams` is validated once, when it is built (from an OpenAI request or by a
+user of the offline API), so that the sampler and the detokenizer can trust every field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# Temperatures below this are treated as greedy decoding (argmax), as vLLM does.
+GREEDY_TEMPERATURE_EPS = 1e-5
+# The most alternatives a request may ask for per sampled token.
+MAX_NUM_LOGPROBS = 20
+# Presence and frequency penalties are limited to OpenAI's range.
+MAX_ABS_PENALTY = 2.0
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output tokens and when to stop.
+
+    Validation raises `ValueError` naming the field, the value and the limit.
+    """
+
+    # Number of completions to generate for the prompt; each child gets `clone_for_child`.
+    n: int = 1
+    # Subtracted once from the logit of every token already present in the output.
+    presence_penalty: float = 0.0
+    # Subtracted from a token's logit once per occurrence of it in the output.
+    frequency_penalty: float = 0.0
+    # Tokens seen in the prompt or output: positive logits divided by it, negative multiplied.
+    repetition_penalty: float = 1.0
+    # Divides the logits before sampling; below GREEDY_TEMPERATURE_EPS means greedy.
+    temperature: float = 1.0
+    # Keep the smallest set of most likely tokens whose probability mass reaches top_p.
+    top_p: float = 1.0
+    # Keep the top_k most likely tokens; 0 or -1 disables the filter.
+    top_k: int = 0
+    # Drop tokens whose probability is below min_p times that of the most likely token.
+    min_p: float = 0.0
+    # Seed of this request's own random generator; None uses the engine's shared one.
+    seed: int | None = None
+    # Strings that end generation when they appear in the output text (a str is one stop).
+    stop: str | list[str] | None = None
+    # Token ids that end generation when sampled (in addition to EOS unless ignore_eos).
+    stop_token_ids: list[int] | None = None
+    # Keep generating after the model's EOS token.
+    ignore_eos: bool = False
+    # Most output tokens to generate; None means up to the model's context length.
+    max_tokens: int | None = 16
+    # EOS and stop_token_ids cannot be sampled before this many output tokens exist.
+    min_tokens: int = 0
+    # Number of top alternatives to return with each sampled token's logprob; None for none.
+    logprobs: int | None = None
+    # Drop special tokens (EOS, BOS, ...) from the output text.
+    skip_special_tokens: bool = True
+    # Keep the matched stop string at the end of the output text.
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.stop = _normalize_stop(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self._validate_counts()
+        self._validate_filters()
+        self._validate_penalties()
+        self._validate_stops()
+
+    def _validate_counts(self) -> None:
+        if not self.n >= 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.max_tokens is not None and not self.max_tokens >= 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.min_tokens >= 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_NUM_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_NUM_LOGPROBS}], got {self.logprobs}")
+
+    def _validate_filters(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (self.top_k == -1 or self.top_k >= 0):
+            raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+                raise ValueError(
+                    f"{name} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], got {value}"
+                )
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    def _validate_stops(self) -> None:
+        for index, stop in enumerate(self.stop):
+            if not stop:
+                raise ValueError(f"stop[{index}] must be a non-empty string, got {stop!r}")
+        for index, token_id in enumerate(self.stop_token_ids):
+            if not token_id >= 0:
+                raise ValueError(f"stop_token_ids[{index}] must be >= 0, got {token_id}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether sampling is argmax (temperature below GREEDY_TEMPERATURE_EPS)."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def is_top_k_enabled(self) -> bool:
+        """Whether top_k filters anything (0 and -1 both mean disabled)."""
+        return self.top_k > 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of the three penalties changes the logits."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def clone_for_child(self, index: int) -> SamplingParams:
+        """The params of the `index`-th of the n completions of one prompt.
+
+        The child has n=1; a seeded parent gives child `index` the seed `seed + index`, so
+        the n completions are reproducible and differ from one another.
+        """
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
+
+
+def _normalize_stop(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    return list(stop)

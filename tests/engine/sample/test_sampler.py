@@ -1,0 +1,241 @@
+import math
+
+import pytest
+import torch
+
+from kvferry.engine.sample.metadata import SamplingMetadata
+from kvferry.engine.sample.sampler import Sampler, SamplerOutput, _draw_remote_noise
+from kvferry.engine.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+
+
+def make_logits(num_rows: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(num_rows, vocab_size, generator=generator) * 3.0
+
+
+def seeded_generators(params: list[SamplingParams]) -> dict[int, torch.Generator]:
+    return {
+        row: torch.Generator().manual_seed(p.seed)
+        for row, p in enumerate(params)
+        if p.seed is not None
+    }
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    outputs: list[list[int]] | None = None,
+    prompts: list[list[int]] | None = None,
+    generators: dict[int, torch.Generator] | None = None,
+    block: dict[int, list[int]] | None = None,
+) -> SamplerOutput:
+    metadata = SamplingMetadata.build(
+        params=params,
+        output_token_ids=outputs if outputs is not None else [[] for _ in params],
+        prompt_token_ids=prompts if prompts is not None else [[] for _ in params],
+        generators=generators if generators is not None else seeded_generators(params),
+        stop_token_ids_to_block=block or {},
+        vocab_size=logits.shape[1],
+        device=CPU,
+    )
+    return Sampler()(logits, metadata)
+
+
+def test_greedy_equals_argmax() -> None:
+    logits = make_logits(16, 300)
+    out = sample(logits, [SamplingParams(temperature=0.0)] * 16)
+    assert out.sampled_token_ids.dtype == torch.int64
+    assert torch.equal(out.sampled_token_ids, torch.argmax(logits, dim=-1))
+    assert out.logprobs is None
+
+
+def test_greedy_rows_in_a_mixed_batch_equal_argmax() -> None:
+    logits = make_logits(6, 300)
+    params = [SamplingParams(temperature=0.0 if row % 2 else 1.5) for row in range(6)]
+    sampled = sample(logits, params).sampled_token_ids
+    assert sampled[1::2].tolist() == torch.argmax(logits[1::2], dim=-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "params", [SamplingParams(top_k=1, temperature=2.0), SamplingParams(top_p=1e-6)]
+)
+def test_top_k_one_and_tiny_top_p_equal_greedy(params: SamplingParams) -> None:
+    logits = make_logits(32, 500, seed=3)
+    sampled = sample(logits, [params] * 32).sampled_token_ids
+    assert torch.equal(sampled, torch.argmax(logits, dim=-1))
+
+
+def test_min_p_never_samples_filtered_tokens() -> None:
+    # Probabilities 0.5, 0.3, 0.15, 0.05: min_p 0.5 keeps only tokens 0 and 1.
+    row = [math.log(p) for p in (0.5, 0.3, 0.15, 0.05)]
+    torch.manual_seed(0)
+    sampled = sample(torch.tensor([row] * 4000), [SamplingParams(min_p=0.5)] * 4000)
+    assert set(sampled.sampled_token_ids.tolist()) == {0, 1}
+
+
+def test_top_k_never_samples_outside_the_top_k() -> None:
+    logits = make_logits(1, 100, seed=5).expand(5000, 100).contiguous()
+    top5 = set(torch.topk(logits[0], 5).indices.tolist())
+    torch.manual_seed(0)
+    sampled = sample(logits, [SamplingParams(top_k=5, temperature=3.0)] * 5000)
+    assert set(sampled.sampled_token_ids.tolist()) == top5
+
+
+def test_sampled_frequencies_follow_softmax() -> None:
+    row = torch.tensor([[1.0, 2.0, 0.0, -1.0, 1.5]])
+    num_draws = 20000
+    torch.manual_seed(1)
+    sampled = sample(row.expand(num_draws, 5).contiguous(), [SamplingParams()] * num_draws)
+    freqs = torch.bincount(sampled.sampled_token_ids, minlength=5).float() / num_draws
+    assert torch.allclose(freqs, row[0].softmax(-1), atol=0.015)
+
+
+def empirical_entropy(tokens: torch.Tensor, vocab_size: int) -> float:
+    freqs = torch.bincount(tokens, minlength=vocab_size).float() / tokens.numel()
+    freqs = freqs[freqs > 0]
+    return float(-(freqs * freqs.log()).sum())
+
+
+def test_temperature_scales_entropy() -> None:
+    logits = make_logits(1, 50, seed=2).expand(5000, 50).contiguous()
+    entropies = []
+    for temperature in (0.3, 1.0, 3.0):
+        torch.manual_seed(0)
+        out = sample(logits, [SamplingParams(temperature=temperature)] * 5000)
+        entropies.append(empirical_entropy(out.sampled_token_ids, 50))
+    assert entropies[0] < entropies[1] < entropies[2]
+
+
+def run_steps(
+    params: list[SamplingParams], row_of_interest: int, num_steps: int, vocab_size: int = 1000
+) -> list[int]:
+    """Sample `num_steps` steps with flat logits, keeping the generators across steps."""
+    generators = seeded_generators(params)
+    logits = torch.zeros(len(params), vocab_size)
+    tokens = []
+    for _ in range(num_steps):
+        out = sample(logits, params, generators=generators)
+        tokens.append(int(out.sampled_token_ids[row_of_interest]))
+    return tokens
+
+
+def test_seeded_row_is_reproducible_alone_and_in_any_batch() -> None:
+    seeded = SamplingParams(seed=1234)
+    alone = run_steps([seeded], 0, 10)
+    torch.manual_seed(99)
+    batched = run_steps(
+        [SamplingParams(), SamplingParams(temperature=0.0), seeded, SamplingParams(seed=7)], 2, 10
+    )
+    torch.manual_seed(5)
+    batched_other_row = run_steps([SamplingParams(top_k=3), seeded], 1, 10)
+    assert alone == batched == batched_other_row
+    assert len(set(alone)) > 1
+
+
+def test_different_seeds_give_different_tokens() -> None:
+    first = run_steps([SamplingParams(seed=1)], 0, 10)
+    second = run_steps([SamplingParams(seed=2)], 0, 10)
+    assert first != second
+
+
+def test_n_children_with_cloned_seeds_differ_and_reproduce() -> None:
+    parent = SamplingParams(n=3, seed=42)
+    children = [parent.clone_for_child(i) for i in range(3)]
+    per_child = [run_steps(children, row, 8) for row in range(3)]
+    assert per_child[0] != per_child[1] != per_child[2]
+    assert per_child[1] == run_steps([children[1]], 0, 8)
+
+
+def test_min_tokens_blocking_removes_eos_from_greedy_and_random_rows() -> None:
+    eos = 3
+    logits = torch.zeros(2, 6)
+    logits[:, eos] = 10.0
+    logits[:, 1] = 5.0
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=5.0)]
+    torch.manual_seed(0)
+    for _ in range(50):
+        out = sample(logits, params, block={0: [eos], 1: [eos, 1]})
+        assert out.sampled_token_ids[0].item() == 1
+        assert out.sampled_token_ids[1].item() not in (eos, 1)
+    unblocked = sample(logits, [SamplingParams(temperature=0.0)] * 2)
+    assert unblocked.sampled_token_ids.tolist() == [eos, eos]
+
+
+def test_repetition_penalty_changes_greedy_choice() -> None:
+    logits = torch.tensor([[2.0, 1.5, -1.0]])
+    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0)]
+    # Token 0 was in the prompt: 2.0 / 2 = 1.0 < 1.5.
+    out = sample(logits, params, prompts=[[0]], outputs=[[]])
+    assert out.sampled_token_ids.tolist() == [1]
+
+
+def test_frequency_penalty_changes_greedy_choice() -> None:
+    logits = torch.tensor([[2.0, 1.5, -1.0]])
+    params = [SamplingParams(temperature=0.0, frequency_penalty=0.3)]
+    # Token 0 occurred twice in the output: 2.0 - 0.6 = 1.4 < 1.5.
+    out = sample(logits, params, outputs=[[0, 0]])
+    assert out.sampled_token_ids.tolist() == [1]
+
+
+def test_logprobs_are_raw_log_softmax_with_sampled_token_first() -> None:
+    logits = make_logits(4, 40, seed=8)
+    params = [
+        SamplingParams(logprobs=3, temperature=0.7, repetition_penalty=1.5),
+        SamplingParams(temperature=0.0, presence_penalty=1.0),
+        SamplingParams(logprobs=1, top_k=10),
+        SamplingParams(logprobs=0, seed=3),
+    ]
+    out = sample(logits, params, outputs=[[1, 2], [3], [], [5]], prompts=[[4], [], [], []])
+    expected = torch.log_softmax(logits, dim=-1)
+    sampled = out.sampled_token_ids
+    lp = out.logprobs
+    assert lp.token_ids.shape == (4, 4) and lp.logprobs.shape == (4, 4)
+    assert lp.token_ids[:, 0].tolist() == sampled.tolist()
+    assert torch.equal(lp.logprobs[:, 0], expected.gather(1, sampled[:, None])[:, 0])
+    top = torch.topk(expected, 3, dim=-1)
+    assert torch.equal(lp.token_ids[:, 1:], top.indices)
+    assert torch.equal(lp.logprobs[:, 1:], top.values)
+    order = torch.argsort(expected, dim=-1, descending=True)
+    ranks = [order[row].tolist().index(sampled[row].item()) + 1 for row in range(4)]
+    assert lp.ranks.tolist() == ranks
+
+
+def test_logprobs_zero_returns_only_sampled_token() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    out = sample(logits, [SamplingParams(temperature=0.0, logprobs=0)])
+    assert out.logprobs.token_ids.tolist() == [[2]]
+    assert out.logprobs.ranks.tolist() == [1]
+    assert out.logprobs.logprobs[0, 0].item() == pytest.approx(
+        2.0 - math.log(1 + math.e + math.e**2)
+    )
+
+
+def test_sampler_leaves_input_logits_unchanged() -> None:
+    logits = make_logits(3, 20)
+    before = logits.clone()
+    params = [
+        SamplingParams(temperature=0.5, top_p=0.5, min_p=0.1, repetition_penalty=1.4),
+        SamplingParams(temperature=0.0, frequency_penalty=1.0),
+        SamplingParams(top_k=2),
+    ]
+    sample(logits, params, outputs=[[1], [2], [3]], prompts=[[4], [5], [6]], block={0: [0]})
+    assert torch.equal(logits, before)
+
+
+def test_sampler_rejects_mismatched_logits() -> None:
+    metadata = SamplingMetadata.build([SamplingParams()], [[]], [[]], {}, {}, 10, CPU)
+    with pytest.raises(ValueError, match=r"^logits have 2 rows, but metadata.num_rows is 1$"):
+        Sampler()(torch.zeros(2, 10), metadata)
+    message = r"^logits have 11 columns, but metadata.vocab_size is 10$"
+    with pytest.raises(ValueError, match=message):
+        Sampler()(torch.zeros(1, 11), metadata)
+
+
+def test_noise_drawn_off_device_equals_the_generators_own_stream() -> None:
+    generators = {0: torch.Generator().manual_seed(11), 2: torch.Generator().manual_seed(12)}
+    noise = _draw_remote_noise(torch.zeros(3, 50), [2, 0], generators)
+    expected_2 = torch.empty(50).exponential_(generator=torch.Generator().manual_seed(12))
+    expected_0 = torch.empty(50).exponential_(generator=torch.Generator().manual_seed(11))
+    assert torch.equal(noise, torch.stack([expected_2, expected_0]))
