@@ -1,0 +1,61 @@
+"""Engine flags shared by the command lines that start an engine, in vLLM's spelling."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvferry.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds `--model`, `--dtype`, `--max-model-len`, `--block-size`, ... to `parser`."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", required=True,
+                       help="checkpoint directory, 'demo' (a small random model), or a hub id")
+    group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: model)")
+    group.add_argument("--served-model-name", default=None, help="model name clients use")
+    group.add_argument("--dtype", default="auto",
+                       choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output (default: the checkpoint's)")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    caching = group.add_mutually_exclusive_group()
+    caching.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
+                         action="store_true", default=True)
+    caching.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                         action="store_false")
+    group.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                       help="CPU: bytes for the KV cache (default 1 GiB)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    group.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    group.add_argument("--attention-backend", default="torch", choices=["torch"])
+    group.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Builds (and so validates) the engine config from parsed flags."""
+    return EngineConfig(
+        model=ModelConfig(
+            model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
+            max_model_len=args.max_model_len, seed=args.seed,
+            served_model_name=args.served_model_name,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            policy=args.scheduling_policy,
+        ),
+        attention_backend=args.attention_backend,
+        device=args.device,
+    )
