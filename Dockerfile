@@ -1,0 +1,27 @@
+# The one image every kvferry pod runs: engine (`kvferry serve`), router (`kvferry router`)
+# and operator (`kvferry operator`). CPU torch by default; pass
+# --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124 for a CUDA build.
+FROM python:3.11-slim AS base
+
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HOME=/cache
+
+WORKDIR /opt/kvferry
+# Dependencies first, so source edits do not re-download torch.
+COPY pyproject.toml setup.py ./
+RUN pip install --index-url "$TORCH_INDEX" torch \
+    && pip install "kopf>=1.37" "kmock>=0.8" "cel-python>=0.2" "kubernetes-validate>=1.30" "pyyaml>=6.0"
+COPY . .
+# Editable, so the CRD in crds/ (read by the operator and `kvferry up`) stays next to the code.
+RUN pip install -e '.[operator]' \
+    && useradd --uid 1000 --create-home --shell /usr/sbin/nologin kvferry \
+    && mkdir -p /cache && chown kvferry /cache
+
+USER 1000
+EXPOSE 8000
+ENTRYPOINT []
+CMD ["kvferry", "--help"]

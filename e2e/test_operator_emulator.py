@@ -1,0 +1,193 @@
+"""The real operator process (kopf, real HTTP, real watch streams) against kmock's emulator."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvferry.operator.emulator import new_service, wait_for
+from kvferry.operator.render import render_children
+from kvferry.operator.spec import parse_spec
+
+NS = "default"
+DISAGGREGATED = {
+    "model": {"source": "demo"},
+    "pools": {"prefill": {"replicas": 1}, "decode": {"replicas": 2}},
+}
+
+
+def versions(k: Any, plural: str, name: str) -> int:
+    """How many versions of one object the emulator has stored."""
+    for (resource, namespace, obj_name), obj in k.objects.items():
+        if resource.plural == plural and namespace == NS and obj_name == name:
+            return len(obj.history)
+    return 0
+
+
+def writes(k: Any, since: int) -> list[tuple[str, str, Any]]:
+    """(method, path, body) of the writes the emulator served after request number `since`."""
+    served = [(str(r.method.value).upper(), r.url.path, r.data) for r in k.served[since:]]
+    return [w for w in served if w[0] in ("POST", "PATCH", "PUT", "DELETE")]
+
+
+async def service_status(client: Any, name: str) -> dict[str, Any]:
+    obj = await client.get("InferenceService", NS, name)
+    return (obj or {}).get("status") or {}
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions", []) if c["type"] == kind), {})
+
+
+async def create_and_settle(client: Any, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    body = new_service(name, spec)
+    await client.create(NS, body)
+    expected = render_children(parse_spec(body))
+
+    async def all_exist() -> bool:
+        for child in expected:
+            if await client.get(child.kind, NS, child.name) is None:
+                return False
+        return bool((await service_status(client, name)).get("conditions"))
+
+    await wait_for(all_exist, 20, f"children and status of {name}")
+    return body
+
+
+def test_apply_creates_owned_children_and_reacts_to_changes(cluster, run_async) -> None:
+    async def scenario() -> None:
+        async with cluster() as (k, client, start_operator), start_operator():
+            body = await create_and_settle(client, "chat", DISAGGREGATED)
+            uid = body["metadata"]["uid"]
+            for child in render_children(parse_spec(body)):
+                live = await client.get(child.kind, NS, child.name)
+                (ref,) = live["metadata"]["ownerReferences"]
+                assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == (
+                    "InferenceService", "chat", uid, True)
+            status = await service_status(client, "chat")
+            assert status["pools"]["decode"] == {"replicas": 2, "readyReplicas": 0, "summary": "0/2"}
+            assert condition(status, "Ready")["status"] == "False"
+            assert status["url"] == "http://chat-router.default.svc:8000"
+
+            # Scaling the decode pool patches that Deployment and nothing else.
+            before = len(k.served)
+            await client.apply(NS, {**_cr_patch("chat", 2), "spec": {"pools": {"decode": {"replicas": 3}}}})
+            await wait_for(lambda: _replicas(k, "chat-decode") == 3, 15, "decode replicas 3")
+            await wait_for(lambda: (status_generation(k, "chat") == 2), 15, "observedGeneration 2")
+            child_writes = [(m, p) for m, p, _ in writes(k, before)
+                            if "/inferenceservices/" not in p and not p.endswith("/events")]
+            assert child_writes == [("PATCH", "/apis/apps/v1/namespaces/default/deployments/chat-decode")]
+
+    run_async(scenario())
+
+
+def test_autoscaling_adds_hpa_and_never_writes_replicas(cluster, run_async) -> None:
+    async def scenario() -> None:
+        async with cluster() as (k, client, start_operator), start_operator():
+            await create_and_settle(client, "chat", DISAGGREGATED)
+            before = len(k.served)
+            scaling = {"minReplicas": 2, "maxReplicas": 6}
+            await client.apply(NS, {**_cr_patch("chat", 2),
+                                    "spec": {"pools": {"decode": {"autoscaling": scaling}}}})
+            hpa = await wait_for(lambda: client.get("HorizontalPodAutoscaler", NS, "chat-decode"), 15, "HPA")
+            assert hpa["spec"]["scaleTargetRef"]["name"] == "chat-decode"
+            assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
+            assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "vllm:num_requests_waiting"
+            # The HPA scales the Deployment; the operator must leave that number alone.
+            await client.apply(NS, {"apiVersion": "apps/v1", "kind": "Deployment",
+                                    "metadata": {"name": "chat-decode"}, "spec": {"replicas": 5}})
+            await wait_for(lambda: status_generation(k, "chat") == 2, 15, "observedGeneration 2")
+            await wait_for(lambda: _pool_status(k, "chat", "decode") == 5, 15, "status follows the HPA")
+            assert _replicas(k, "chat-decode") == 5
+            for method, path, data in writes(k, before):
+                if path.endswith("/deployments/chat-decode") and (data or {}).get("spec", {}).get("replicas") != 5:
+                    assert "replicas" not in (data or {}).get("spec", {}), (method, data)
+
+    run_async(scenario())
+
+
+def test_ready_counts_restart_and_delete(cluster, run_async) -> None:
+    async def scenario() -> None:
+        async with cluster() as (k, client, start_operator):
+            async with start_operator():
+                await create_and_settle(client, "chat", DISAGGREGATED)
+                for component, replicas in (("prefill", 1), ("decode", 2), ("router", 1), ("redis", 1)):
+                    await client.patch_status("Deployment", NS, f"chat-{component}", {
+                        "replicas": replicas, "readyReplicas": replicas, "updatedReplicas": replicas})
+                status = await wait_for(
+                    lambda: _ready_status(client, "chat"), 15, "Ready=True")
+                assert status["pools"] == {
+                    "prefill": {"replicas": 1, "readyReplicas": 1, "summary": "1/1"},
+                    "decode": {"replicas": 2, "readyReplicas": 2, "summary": "2/2"},
+                }
+                assert condition(status, "Progressing")["status"] == "False"
+                assert condition(status, "Degraded")["status"] == "False"
+            creates = sum(1 for m, _, _ in writes(k, 0) if m == "POST")
+            before = len(k.served)
+            async with start_operator() as second:
+                await wait_for(lambda: second.log_path.read_text().count("Resuming is processed") >= 1,
+                               20, "the restarted operator to resume the service")
+            restarted_writes = [(m, p) for m, p, _ in writes(k, before) if not p.endswith("/events")]
+            assert restarted_writes == []
+            assert sum(1 for m, _, _ in writes(k, 0) if m == "POST") == creates
+
+            # No finalizer: deletion completes at once, with or without the operator.
+            await client._call("DELETE", "/apis/kvferry.dev/v1alpha1/namespaces/default/inferenceservices/chat")
+            assert await client.get("InferenceService", NS, "chat") is None
+
+    run_async(scenario())
+
+
+def test_missing_secret_and_invalid_spec_are_degraded_not_fatal(cluster, run_async) -> None:
+    async def scenario() -> None:
+        async with cluster() as (k, client, start_operator), start_operator() as operator:
+            spec = {**DISAGGREGATED, "engine": {"imagePullSecrets": ["registry-creds"]}}
+            await create_and_settle(client, "pull", spec)
+            degraded = condition(await service_status(client, "pull"), "Degraded")
+            assert (degraded["status"], degraded["reason"]) == ("True", "SecretNotFound")
+            assert "spec.engine.imagePullSecrets[0]" in degraded["message"]
+
+            # The emulator has no admission, so this reaches the operator as an old cluster would let it.
+            bad = {"model": {"source": "demo"},
+                   "pools": {"decode": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}}}
+            await client.create(NS, new_service("bad", bad))
+            status = await wait_for(lambda: service_status(client, "bad"), 15, "status of bad")
+            degraded = condition(status, "Degraded")
+            assert (degraded["status"], degraded["reason"]) == ("True", "InvalidSpec")
+            assert "spec.pools.decode.autoscaling.minReplicas" in degraded["message"]
+            assert await client.get("Deployment", NS, "bad-decode") is None
+            assert operator.proc is not None and operator.proc.returncode is None
+
+    run_async(scenario())
+
+
+async def _ready_status(client: Any, name: str) -> dict[str, Any] | None:
+    status = await service_status(client, name)
+    return status if condition(status, "Ready").get("status") == "True" else None
+
+
+def _pool_status(k: Any, name: str, pool: str) -> int | None:
+    for (resource, _, obj_name), obj in k.objects.items():
+        if resource.plural == "inferenceservices" and obj_name == name and not obj.deleted:
+            return ((obj.get("status") or {}).get("pools", {}).get(pool) or {}).get("replicas")
+    return None
+
+
+def status_generation(k: Any, name: str) -> int | None:
+    for (resource, _, obj_name), obj in k.objects.items():
+        if resource.plural == "inferenceservices" and obj_name == name and not obj.deleted:
+            return (obj.get("status") or {}).get("observedGeneration")
+    return None
+
+
+def _replicas(k: Any, deployment: str) -> int | None:
+    for (resource, _, name), obj in k.objects.items():
+        if resource.plural == "deployments" and name == deployment and not obj.deleted:
+            return obj["spec"].get("replicas")
+    return None
+
+
+def _cr_patch(name: str, generation: int) -> dict[str, Any]:
+    """What the API server would do on a spec change: bump metadata.generation."""
+    return {"apiVersion": "kvferry.dev/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": name, "generation": generation}}
+

@@ -1,0 +1,144 @@
+"""Run the real operator against kmock's in-memory Kubernetes API server (tests, benchmarks).
+
+`emulated_cluster()` starts a `kmock.KubernetesEmulator` on 127.0.0.1 with every resource
+the operator watches or writes registered for discovery; `OperatorProcess` runs
+`kvferry operator` as a child process that logs in through a kubeconfig pointing at it.
+The emulator has no garbage collector, defaulting or admission: those are covered by the
+schema tests and by `e2e/kind.sh` on a real cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import kmock
+import kopf
+import yaml
+
+from kvferry.operator import API_VERSION, KIND
+from kvferry.operator.kube import RESOURCES, KubeClient
+
+ALL_VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
+
+
+class Emulator(kmock.KubernetesEmulator):
+    """`kmock.KubernetesEmulator` with a request log that does not slow it down.
+
+    kmock matches each new request against its reactions by scanning every request served
+    so far, so a long run (hundreds of objects, thousands of requests) gets slower with each
+    request. This keeps only the current request in kmock's own list and the whole log in
+    `served`, which makes each request cost the same however many came before.
+    """
+
+    @property
+    def served(self) -> list[kmock.Request]:
+        """Every request served, oldest first."""
+        if "_served" not in self.__dict__:
+            self.__dict__["_served"] = []
+        return self.__dict__["_served"]
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        self.served.append(request)
+        del self._requests[:-1]
+        return await super()._handle(request)
+
+
+def register_resources(k: kmock.KubernetesEmulator) -> None:
+    """Make discovery list what kopf and the operator use."""
+    for kind, (api_version, plural) in RESOURCES.items():
+        k.resources[f"{api_version}/{plural}"] = kmock.ResourceInfo(
+            kind=kind, namespaced=True, verbs=ALL_VERBS,
+            subresources={"status"} if kind in (KIND, "Deployment") else set())
+    k.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
+        kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch", "get"})
+    k.resources["v1/namespaces"] = kmock.ResourceInfo(
+        kind="Namespace", namespaced=False, verbs={"list", "watch", "get"})
+    k.resources["v1/events"] = kmock.ResourceInfo(kind="Event", namespaced=True, verbs={"create"})
+
+
+@contextlib.asynccontextmanager
+async def emulated_cluster() -> AsyncIterator[tuple[Emulator, KubeClient]]:
+    """An emulator serving on 127.0.0.1 and a client logged in to it."""
+    async with Emulator() as k, kmock.Server(k):
+        register_resources(k)
+        client = KubeClient(kopf.ConnectionInfo(server=str(k.url), insecure=True))
+        try:
+            yield k, client
+        finally:
+            await client.close()
+
+
+def write_kubeconfig(path: Path, server: str) -> Path:
+    """A kubeconfig whose current context is the emulator."""
+    config = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+        "clusters": [{"name": "emulator", "cluster": {"server": server}}],
+        "users": [{"name": "emulator", "user": {}}],
+        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "emulator"}}],
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+class OperatorProcess:
+    """`kvferry operator` as a child process, stopped (SIGTERM, then SIGKILL) on exit."""
+
+    def __init__(self, kubeconfig: Path, log_path: Path, *extra_args: str) -> None:
+        self.kubeconfig = kubeconfig
+        self.log_path = log_path
+        self.extra_args = extra_args
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def __aenter__(self) -> OperatorProcess:
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        with open(self.log_path, "ab") as log:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "kvferry.engine.cli", "operator", "--verbose", *self.extra_args,
+                env=env, stdout=log, stderr=log)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def stop(self) -> int | None:
+        """Stop the process and return its exit status."""
+        if self.proc is None or self.proc.returncode is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.terminate()
+        try:
+            return await asyncio.wait_for(self.proc.wait(), timeout=10)
+        except TimeoutError:
+            self.proc.kill()
+            return await self.proc.wait()
+
+
+def new_service(name: str, spec: dict[str, Any], namespace: str = "default") -> dict[str, Any]:
+    """An InferenceService as the API server would store it (uid and generation set)."""
+    return {
+        "apiVersion": API_VERSION, "kind": KIND,
+        "metadata": {"name": name, "namespace": namespace, "uid": str(uuid.uuid4()), "generation": 1},
+        "spec": spec,
+    }
+
+
+async def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
+    """Poll `check()` until it returns something truthy; TimeoutError naming `what` otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)

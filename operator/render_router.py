@@ -1,0 +1,116 @@
+"""Render the router (Deployment and Service) and the optional Ingress in front of it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvferry.operator.labels import HTTP_PORT, child_name, labels, selector_labels
+from kvferry.operator.render_pools import health_probes, pod_spec_common, resources_manifest
+from kvferry.operator.spec import InferenceServiceSpec
+
+API_KEY_DIR = "/etc/kvferry/api-key"
+
+
+def router_args(spec: InferenceServiceSpec, redis_url: str) -> list[str]:
+    """The `kvferry router` command line (the contract of ARCHITECTURE.md)."""
+    args = [
+        "kvferry", "router",
+        "--service", spec.name,
+        "--redis", redis_url,
+        "--host", "0.0.0.0",
+        "--port", str(HTTP_PORT),
+    ]
+    if spec.router.api_key_secret is not None:
+        args += ["--api-key-file", f"{API_KEY_DIR}/{spec.router.api_key_secret.key}"]
+    return args
+
+
+def render_router_deployment(spec: InferenceServiceSpec, redis_url: str,
+                             env: list[dict[str, Any]], config_map: str) -> dict[str, Any]:
+    """The router's Deployment; the API key Secret is mounted as a file when set."""
+    mounts: list[dict[str, Any]] = []
+    volumes: list[dict[str, Any]] = []
+    if spec.router.api_key_secret is not None:
+        volumes.append({"name": "api-key", "secret": {"secretName": spec.router.api_key_secret.name}})
+        mounts.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
+    container = {
+        "name": "router",
+        "image": spec.engine.image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "args": router_args(spec, redis_url),
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "env": env,
+        "envFrom": [{"configMapRef": {"name": config_map}}],
+        "resources": resources_manifest(spec.router.resources),
+        "volumeMounts": mounts,
+        **health_probes(),
+    }
+    pod_labels = labels(spec.name, "router")
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": child_name(spec.name, "router"), "labels": pod_labels},
+        "spec": {
+            "replicas": spec.router.replicas,
+            "selector": {"matchLabels": selector_labels(spec.name, "router")},
+            "template": {
+                "metadata": {
+                    "labels": pod_labels,
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(HTTP_PORT),
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
+                "spec": {**pod_spec_common(spec), "containers": [container], "volumes": volumes},
+            },
+        },
+    }
+
+
+def render_router_service(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The ClusterIP Service clients (and the Ingress) reach the router by."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": child_name(spec.name, "router"), "labels": labels(spec.name, "router")},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(spec.name, "router"),
+            "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def render_router(spec: InferenceServiceSpec, redis_url: str, env: list[dict[str, Any]],
+                  config_map: str) -> list[dict[str, Any]]:
+    """The router's Deployment and Service."""
+    return [render_router_deployment(spec, redis_url, env, config_map), render_router_service(spec)]
+
+
+def render_ingress(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """An Ingress routing every path of `spec.ingress.host` (or any host) to the router."""
+    ingress = spec.ingress
+    if ingress is None:
+        raise ValueError("spec.ingress: render_ingress needs it set")
+    backend = {"service": {"name": child_name(spec.name, "router"), "port": {"name": "http"}}}
+    rule: dict[str, Any] = {"http": {"paths": [{"path": "/", "pathType": "Prefix", "backend": backend}]}}
+    if ingress.host:
+        rule = {"host": ingress.host, **rule}
+    body: dict[str, Any] = {"rules": [rule]}
+    if ingress.class_name:
+        body = {"ingressClassName": ingress.class_name, **body}
+    if ingress.tls_secret_name and ingress.host:
+        body["tls"] = [{"hosts": [ingress.host], "secretName": ingress.tls_secret_name}]
+    metadata: dict[str, Any] = {"name": child_name(spec.name, "router"), "labels": labels(spec.name, "router")}
+    if ingress.annotations:
+        metadata["annotations"] = dict(ingress.annotations)
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": metadata, "spec": body}
+
+
+def service_url(spec: InferenceServiceSpec) -> str:
+    """Where clients reach the service: the Ingress host, else the router's cluster DNS name."""
+    if spec.ingress is not None and spec.ingress.host:
+        scheme = "https" if spec.ingress.tls_secret_name else "http"
+        return f"{scheme}://{spec.ingress.host}"
+    return f"http://{child_name(spec.name, 'router')}.{spec.namespace}.svc:{HTTP_PORT}"

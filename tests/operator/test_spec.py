@@ -1,0 +1,122 @@
+"""`parse_spec`: defaults, schema and CEL rules, on every example and on invalid CRs."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from kvferry.operator.schema import admit, cel_errors
+from kvferry.operator.spec import SpecError, parse_spec
+from operator_factories import EXAMPLES, load_example, minimal, service
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_examples_are_admitted(path: Any) -> None:
+    obj = load_example(path)
+    _, errors = admit(obj)
+    assert errors == []
+    spec = parse_spec(obj)
+    assert "decode" in spec.pools
+
+
+def test_examples_cover_demo_gpu_autoscaling_and_encoder() -> None:
+    specs = {p.stem: parse_spec(load_example(p)) for p in EXAMPLES}
+    assert set(specs) == {"demo", "llama-gpu", "whisper"}
+    assert specs["demo"].model.source == "demo"
+    assert specs["llama-gpu"].pools["decode"].autoscaling is not None
+    assert specs["llama-gpu"].pools["decode"].resources.limits["nvidia.com/gpu"] == "1"
+    assert specs["whisper"].pools["encoder"].role == "encoder"
+
+
+def test_defaults_are_applied() -> None:
+    spec = parse_spec(service(minimal(pools={"decode": {"autoscaling": {"maxReplicas": 4}}})))
+    assert spec.name == spec.model.served_name == "svc"
+    assert spec.namespace == "team-a"
+    assert (spec.model.type, spec.model.dtype, spec.model.max_model_len) == ("decoder-only", "auto", None)
+    assert spec.engine.image == "ghcr.io/kvferry/kvferry:0.1.0"
+    assert (spec.engine.block_size, spec.engine.enable_prefix_caching) == (16, True)
+    decode = spec.pools["decode"]
+    assert (decode.role, decode.replicas) == ("both", 1)
+    assert decode.autoscaling is not None
+    assert (decode.autoscaling.min_replicas, decode.autoscaling.max_replicas) == (1, 4)
+    assert [(m.name, m.target_average_value) for m in decode.autoscaling.metrics] == [
+        ("vllm:num_requests_waiting", "4")]
+    assert spec.router.replicas == 1 and spec.router.routing == {"decode": "least-loaded"}
+    assert spec.redis.is_managed and spec.redis.image.endswith(":7.2.5-alpine")
+    assert (spec.kv_transfer.lease_seconds, spec.kv_transfer.failure_policy) == (30, "recompute")
+
+
+def test_roles_follow_the_pools() -> None:
+    spec = parse_spec(service(minimal(pools={"prefill": {}, "decode": {}})))
+    assert [(p.name, p.role) for p in spec.pools.values()] == [("prefill", "prefill"), ("decode", "decode")]
+    assert spec.is_disaggregated
+    assert spec.router.routing == {"prefill": "prefix-aware", "decode": "least-loaded"}
+
+
+def _with(path: str, value: Any) -> dict[str, Any]:
+    spec = copy.deepcopy(minimal())
+    node = spec
+    *parents, last = path.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[last] = value
+    return spec
+
+
+INVALID = [
+    # (spec, a fragment of the expected error)
+    ({"model": {"source": "demo"}, "pools": {}}, "'decode' is a required property"),
+    ({"pools": {"decode": {}}}, "'model' is a required property"),
+    (_with("model.source", "s3://bucket/model"), "spec.model.source"),
+    (_with("model.dtype", "int4"), "spec.model.dtype"),
+    (_with("engine.blockSize", 12), "spec.engine.blockSize"),
+    (_with("engine.tensorParallelSize", 0), "spec.engine.tensorParallelSize"),
+    (_with("engine.unknownField", True), "'unknownField' was unexpected"),
+    (_with("pools.decode", {"replicas": -1}), "spec.pools.decode.replicas"),
+    (_with("pools.decode", {"autoscaling": {"minReplicas": 1}}), "'maxReplicas' is a required property"),
+    (_with("pools.decode", {"autoscaling": {"maxReplicas": 2, "metrics": []}}), "spec.pools.decode.autoscaling.metrics"),
+    (_with("pools.decode", {"resources": {"limits": {"memory": "lots"}}}), "spec.pools.decode.resources.limits.memory"),
+    (_with("redis", {"url": "http://not-redis"}), "spec.redis.url"),
+    (_with("router", {"routing": {"decode": "random"}}), "spec.router.routing.decode"),
+]
+
+CEL_INVALID = [
+    (_with("pools.decode", {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}),
+     "spec.pools.decode.autoscaling.minReplicas: autoscaling.minReplicas must be <= autoscaling.maxReplicas"),
+    (_with("pools.encoder", {}), "spec.pools.encoder: spec.pools.encoder needs an encoder-decoder model"),
+    (_with("redis", {"url": "redis://r:6379", "urlSecret": {"name": "s"}}), "spec.redis takes url or urlSecret, not both"),
+    (_with("ingress", {"tls": {"secretName": "t"}}), "spec.ingress.tls: spec.ingress.tls needs spec.ingress.host"),
+    (_with("router", {"routing": {"prefill": "prefix-aware"}}), "there is no spec.pools.prefill"),
+    (_with("router", {"routing": {"encoder": "round-robin"}}), "there is no spec.pools.encoder"),
+]
+
+
+@pytest.mark.parametrize(("spec", "fragment"), INVALID)
+def test_schema_rejects(spec: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(SpecError) as caught:
+        parse_spec(service(spec))
+    assert any(fragment in e for e in caught.value.errors), caught.value.errors
+
+
+@pytest.mark.parametrize(("spec", "fragment"), CEL_INVALID)
+def test_cel_rules_reject(spec: dict[str, Any], fragment: str) -> None:
+    defaulted, errors = admit(service(spec))
+    assert errors and all(fragment in e for e in errors), errors
+    with pytest.raises(SpecError, match="is invalid"):
+        parse_spec(service(spec))
+
+
+def test_cel_rule_on_the_name_limits_child_names() -> None:
+    _, errors = admit(service(minimal(), name="a" * 53))
+    assert errors == ["<root>: metadata.name must be a DNS-1035 label of at most 52 characters "
+                      "(children add suffixes such as -redis-auth)"]
+    _, errors = admit(service(minimal(), name="dotted.name"))
+    assert len(errors) == 1
+    assert cel_errors(service(minimal(), name="a" * 52)) == []
+
+
+def test_wrong_kind_is_rejected() -> None:
+    with pytest.raises(SpecError, match="apiVersion/kind"):
+        parse_spec({**service(minimal()), "kind": "Deployment"})
