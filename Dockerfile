@@ -16,8 +16,8 @@ COPY pyproject.toml setup.py ./
 RUN pip install --index-url "$TORCH_INDEX" torch \
     && pip install "kopf>=1.37" "kmock>=0.8" "cel-python>=0.2" "kubernetes-validate>=1.30" "pyyaml>=6.0"
 COPY . .
-# Editable, so the CRD in crds/ (read by the operator and `kvferry up`) stays next to the code.
-RUN pip install -e '.[operator]' \
+# The CRD ships inside the package (kvferry.operator's crds/ links to the top-level one).
+RUN pip install '.[operator]' \
     && useradd --uid 1000 --create-home --shell /usr/sbin/nologin kvferry \
     && mkdir -p /cache && chown kvferry /cache
 

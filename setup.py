@@ -35,6 +35,6 @@ packages, package_dir = _packages()
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={"kvferry": ["py.typed"]},
+    package_data={"kvferry": ["py.typed"], "kvferry.operator": ["crds/*.yaml"]},
     include_package_data=True,
 )

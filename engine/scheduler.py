@@ -155,6 +155,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.pop()
+            self.kv_cache_manager.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens = num_hit_tokens
@@ -175,16 +176,17 @@ class Scheduler:
         for request in running + waiting:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted later in the same step
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-            if request.request_id in self._runner_known:
-                num_known = self._num_blocks_sent.get(request.request_id, 0)
-                cached.req_ids.append(request.request_id)
-                cached.new_block_ids.append(block_ids[num_known:])
+            req_id = request.request_id
+            if req_id in self._runner_known:
+                num_sent = self._num_blocks_sent[req_id]
+                cached.req_ids.append(req_id)
+                cached.new_block_ids.append(self.kv_cache_manager.get_block_ids(req_id, num_sent))
                 cached.num_computed_tokens.append(request.num_computed_tokens)
             else:
+                block_ids = self.kv_cache_manager.get_block_ids(req_id)
                 new_reqs.append(_new_request_data(request, block_ids))
-                self._runner_known.add(request.request_id)
-            self._num_blocks_sent[request.request_id] = len(block_ids)
+                self._runner_known.add(req_id)
+            self._num_blocks_sent[req_id] = self.kv_cache_manager.get_num_blocks(req_id)
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -232,6 +234,9 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
+        # Length first: no stop condition, min_tokens included, may run past max_model_len.
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
         if request.num_output_tokens < params.min_tokens:
             return None
         if not params.ignore_eos and token_id in request.eos_token_ids:
@@ -240,8 +245,6 @@ class Scheduler:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        if request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 

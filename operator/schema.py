@@ -21,7 +21,9 @@ import yaml
 CRD_ENV = "KVFERRY_CRD"
 """Environment variable naming the CRD file, for installs that moved `crds/` elsewhere."""
 
-_DEFAULT_CRD = Path(__file__).resolve().parent.parent / "crds" / "inferenceservices.kvferry.dev.yaml"
+# operator/crds/ links to the top-level crds/ (so the file ships as package data of
+# kvferry.operator and an installed wheel finds it too).
+_DEFAULT_CRD = Path(__file__).parent / "crds" / "inferenceservices.kvferry.dev.yaml"
 
 
 def crd_path() -> Path:

@@ -43,8 +43,13 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.get_usage()
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+    def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """Block ids of a request's table from index `start` on."""
+        blocks = self.req_to_blocks.get(request_id, [])
+        return [b.block_id for b in blocks[start:]]
+
+    def get_num_blocks(self, request_id: str) -> int:
+        return len(self.req_to_blocks.get(request_id, ()))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Returns the longest cached prefix of a new request and its length in tokens.
@@ -64,11 +69,16 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_cache_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counts one admitted request's lookup (a request left waiting is not counted)."""
+        if not self.enable_caching:
+            return
         stats = self.prefix_cache_stats
         stats.requests += 1
-        stats.queries += request.num_tokens
-        stats.hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+        stats.queries += num_tokens
+        stats.hits += num_hit_tokens
 
     def allocate_slots(
         self,

@@ -67,6 +67,7 @@ class InputBatch:
         self.num_prompt_tokens[row] = len(state.prompt_token_ids)
         self.num_computed_tokens[row] = state.num_computed_tokens
         self.num_blocks[row] = 0
+        self.block_table.np[row] = 0  # no block id of the row's previous occupant survives
         self.append_block_ids(row, state.block_ids, record=False)
         self.req_ids[row] = state.req_id
         self.req_id_to_index[state.req_id] = row
