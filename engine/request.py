@@ -64,6 +64,10 @@ class Request:
     stop_reason: int | str | None = None
     # Chained hashes of the request's full blocks, filled in as blocks fill.
     block_hashes: list[bytes] = field(default_factory=list)
+    # Set by the scheduler on arrival: outputs after which a length cap (max_tokens or
+    # max_model_len) ends the request, and the token ids that may end it early.
+    max_output_tokens: int = 0
+    stop_token_set: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -12,8 +12,10 @@ so the next step can be planned before this one's tokens are sampled.
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvferry.engine.config import SchedulerConfig
-from kvferry.engine.kv_cache import KVCacheManager
+from kvferry.engine.kv_cache import KVCacheBlock, KVCacheManager
 from kvferry.engine.request import Request, RequestStatus
 from kvferry.engine.request_queue import make_request_queue
 from kvferry.engine.scheduler_output import (
@@ -35,14 +37,24 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished since the last schedule(): the runner drops their rows.
         self.finished_req_ids: set[str] = set()
-        # Requests the runner holds a row for, and how many of their block ids it has.
+        # Requests the runner holds a row for.
         self._runner_known: set[str] = set()
-        self._num_blocks_sent: dict[str, int] = {}
+        # Requests that may not stop yet (fewer outputs than min_tokens).
+        self._min_tokens_pending: set[str] = set()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
+        params = request.sampling_params
+        room = self.config.max_model_len - request.num_prompt_tokens
+        request.max_output_tokens = room if params.max_tokens is None else min(
+            room, params.max_tokens
+        )
+        eos = () if params.ignore_eos else request.eos_token_ids
+        request.stop_token_set = frozenset((*eos, *params.stop_token_ids))
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if request.sampling_params.min_tokens > 0:
+            self._min_tokens_pending.add(request.request_id)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """Finishes (or aborts) requests wherever they are; unknown ids are ignored."""
@@ -64,7 +76,7 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
-        self._num_blocks_sent.pop(request.request_id, None)
+        self._min_tokens_pending.discard(request.request_id)
         if request.request_id in self._runner_known:
             self._runner_known.discard(request.request_id)
             self.finished_req_ids.add(request.request_id)
@@ -83,44 +95,92 @@ class Scheduler:
         if not preempted:
             scheduled_waiting = self._schedule_waiting(budget)
         output = self._make_output(scheduled_running, scheduled_waiting, preempted, budget)
-        for req_id, num_tokens in budget.scheduled.items():
-            self.requests[req_id].num_computed_tokens += num_tokens
+        for request, num_tokens in zip(budget.requests.values(), budget.scheduled.values()):
+            request.num_computed_tokens += num_tokens
         return output
 
     def _schedule_running(self, budget: _Budget) -> tuple[list[Request], list[Request]]:
+        """Serves running requests in order: planned in bulk unless someone must be preempted."""
+        planned = self._plan_running(budget)
+        if planned is not None:
+            return planned, []
+        return self._schedule_running_one_by_one(budget)
+
+    def _plan_running(self, budget: _Budget) -> list[Request] | None:
+        """The common step, with NumPy over all running requests; None if blocks ran out.
+
+        Each request wants its unscheduled known tokens (never past max_model_len: a full
+        sequence's last token is not fed); the budget serves them in running order. Only
+        requests whose tokens cross into a new block call the allocator.
+        """
+        running = self.running
+        num = len(running)
+        if num == 0:
+            return []
+        manager = self.kv_cache_manager
+        computed = np.fromiter((r.num_computed_tokens for r in running), np.int64, num)
+        known = np.fromiter((len(r.all_token_ids) for r in running), np.int64, num)
+        wanted = np.maximum(np.minimum(known, self.config.max_model_len) - computed, 0)
+        num_new = np.clip(budget.tokens - (np.cumsum(wanted) - wanted), 0, wanted)
+        ends = computed + num_new
+        capacity = manager.num_slots([r.request_id for r in running])
+        for i in np.flatnonzero(ends > capacity).tolist():
+            new_blocks = manager.allocate_slots(running[i], int(num_new[i]))
+            if new_blocks is None:
+                return None  # the blocks allocated so far stay; the slow pass reuses them
+            budget.new_block_ids[running[i].request_id] = [b.block_id for b in new_blocks]
+        if manager.enable_caching:
+            # A block that fills up this step joins the prefix cache now.
+            filled = (ends <= capacity) & (ends > computed) & (ends % manager.block_size == 0)
+            for i in np.flatnonzero(filled).tolist():
+                manager.cache_full_blocks(running[i], int(ends[i]))
+        rows = np.flatnonzero(num_new).tolist()
+        scheduled = [running[i] for i in rows]
+        budget.take_many(scheduled, num_new[rows].tolist())
+        return scheduled
+
+    def _schedule_running_one_by_one(
+        self, budget: _Budget
+    ) -> tuple[list[Request], list[Request]]:
         scheduled: list[Request] = []
         preempted: list[Request] = []
+        max_model_len = self.config.max_model_len
         index = 0
         while index < len(self.running) and budget.tokens > 0:
             request = self.running[index]
-            num_preempted = len(preempted)
-            num_new = self._num_new_tokens(request, budget.tokens)
-            if num_new > 0 and not self._allocate_or_preempt(request, num_new, budget, preempted):
-                break  # the request preempted itself: nothing after it can run
-            if num_new > 0:
-                budget.take(request, num_new)
-                scheduled.append(request)
-            # Preempting an earlier request (priority policy) shifts this one left.
-            index = index + 1 if len(preempted) == num_preempted else self.running.index(request) + 1
+            num_new = min(len(request.all_token_ids), max_model_len) - request.num_computed_tokens
+            num_new = min(num_new, budget.tokens)
+            index += 1
+            if num_new <= 0:
+                continue
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is None:
+                num_preempted = len(preempted)
+                new_blocks = self._preempt_until_fits(request, num_new, budget, preempted)
+                if new_blocks is None:
+                    break  # the request preempted itself: nothing after it can run
+                # Preempting an earlier request (priority policy) shifts this one left.
+                if len(preempted) > num_preempted:
+                    index = self.running.index(request) + 1
+            if new_blocks:
+                budget.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            budget.take(request, num_new)
+            scheduled.append(request)
         return scheduled, preempted
 
-    def _allocate_or_preempt(
+    def _preempt_until_fits(
         self, request: Request, num_new: int, budget: _Budget, preempted: list[Request]
-    ) -> bool:
-        """Allocates blocks for `request`, preempting others until it fits (False if it can't)."""
-        while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+    ) -> list[KVCacheBlock] | None:
+        """Preempts others until `request` gets its blocks (None if it preempted itself)."""
+        while True:
             victim = self._pick_victim()
             self._preempt(victim, budget)
             preempted.append(victim)
             if victim is request:
-                return False
-        return True
-
-    def _num_new_tokens(self, request: Request, budget_tokens: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
-        # Never compute past max_model_len (the last token of a full sequence is not fed).
-        num_new = min(num_new, self.config.max_model_len - request.num_computed_tokens)
-        return max(0, min(num_new, budget_tokens))
+                return None
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -135,7 +195,6 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self._runner_known.discard(request.request_id)
-        self._num_blocks_sent.pop(request.request_id, None)
         self.waiting.prepend(request)
 
     def _schedule_waiting(self, budget: _Budget) -> list[Request]:
@@ -173,20 +232,19 @@ class Scheduler:
         budget: _Budget,
     ) -> SchedulerOutput:
         new_reqs, cached = [], CachedRequestData()
+        new_block_ids = budget.new_block_ids
         for request in running + waiting:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted later in the same step
             req_id = request.request_id
             if req_id in self._runner_known:
-                num_sent = self._num_blocks_sent[req_id]
                 cached.req_ids.append(req_id)
-                cached.new_block_ids.append(self.kv_cache_manager.get_block_ids(req_id, num_sent))
+                cached.new_block_ids.append(new_block_ids.get(req_id) or [])
                 cached.num_computed_tokens.append(request.num_computed_tokens)
             else:
                 block_ids = self.kv_cache_manager.get_block_ids(req_id)
                 new_reqs.append(_new_request_data(request, block_ids))
                 self._runner_known.add(req_id)
-            self._num_blocks_sent[req_id] = self.kv_cache_manager.get_num_blocks(req_id)
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -201,12 +259,18 @@ class Scheduler:
 
     def _blocked_stop_tokens(self, scheduled: dict[str, int]) -> dict[str, list[int]]:
         blocked = {}
-        for req_id in scheduled:
+        for req_id in self._min_tokens_pending:
             request = self.requests[req_id]
             params = request.sampling_params
-            if request.num_output_tokens < params.min_tokens:
+            if request.num_output_tokens >= params.min_tokens:
+                continue
+            if req_id in scheduled:
                 eos = () if params.ignore_eos else request.eos_token_ids
-                blocked[req_id] = [*eos, *(params.stop_token_ids or [])]
+                blocked[req_id] = [*eos, *params.stop_token_ids]
+        self._min_tokens_pending = {
+            r for r in self._min_tokens_pending
+            if self.requests[r].num_output_tokens < self.requests[r].sampling_params.min_tokens
+        }
         return blocked
 
     # ------------------------------------------------------------------ update
@@ -219,32 +283,38 @@ class Scheduler:
         finished requests carry their final status.
         """
         updates = []
+        stopped = False
         for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.append_output_token(token_id)
-            status = self._check_stop(request, token_id)
-            if status is not None:
-                self.running.remove(request)
-                request.status = status
-                self._free_request(request)
+            request.output_token_ids.append(token_id)
+            request.all_token_ids.append(token_id)
+            # Most tokens neither stop nor reach a length cap: one set test, one compare.
+            if token_id in request.stop_token_set or (
+                len(request.output_token_ids) >= request.max_output_tokens
+            ):
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    request.status = status
+                    self._free_request(request)
+                    stopped = True
             updates.append((request, [token_id]))
+        if stopped:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return updates
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
-        # Length first: no stop condition, min_tokens included, may run past max_model_len.
-        if request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        if request.num_output_tokens < params.min_tokens:
-            return None
-        if not params.ignore_eos and token_id in request.eos_token_ids:
+        num_output = len(request.output_token_ids)
+        can_stop = num_output >= params.min_tokens and token_id in request.stop_token_set
+        if can_stop:
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
-        if params.stop_token_ids and token_id in params.stop_token_ids:
-            request.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        # A length cap ends the request even before min_tokens: nothing runs past
+        # max_model_len.
+        if num_output >= request.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
@@ -270,10 +340,22 @@ class _Budget:
     def __init__(self, tokens: int) -> None:
         self.tokens = tokens
         self.scheduled: dict[str, int] = {}
+        self.requests: dict[str, Request] = {}
+        # Blocks appended to a request's table this step (at most one allocation each).
+        self.new_block_ids: dict[str, list[int]] = {}
+
+    def take_many(self, requests: list[Request], num_tokens: list[int]) -> None:
+        self.tokens -= sum(num_tokens)
+        ids = [r.request_id for r in requests]
+        self.scheduled.update(zip(ids, num_tokens))
+        self.requests.update(zip(ids, requests))
 
     def take(self, request: Request, num_tokens: int) -> None:
         self.tokens -= num_tokens
         self.scheduled[request.request_id] = num_tokens
+        self.requests[request.request_id] = request
 
     def untake(self, request: Request) -> None:
         self.tokens += self.scheduled.pop(request.request_id, 0)
+        self.requests.pop(request.request_id, None)
+        self.new_block_ids.pop(request.request_id, None)

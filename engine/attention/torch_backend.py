@@ -39,10 +39,30 @@ def gather_kv(
     """Returns keys and values of `block_ids`, each (num_seqs, num_blocks * block_size, H, D)."""
     key_cache, value_cache = kv_cache
     num_seqs, num_blocks = block_ids.shape
-    idx = block_ids.long()
-    keys = key_cache[idx].reshape(num_seqs, num_blocks * key_cache.shape[1], *key_cache.shape[2:])
-    values = value_cache[idx].reshape(keys.shape)
+    flat = block_ids.reshape(-1).long()
+    # index_select copies whole blocks; advanced indexing on these strided views is many
+    # times slower on CPU.
+    shape = (num_seqs, num_blocks * key_cache.shape[1], *key_cache.shape[2:])
+    keys = key_cache.index_select(0, flat).view(shape)
+    values = value_cache.index_select(0, flat).view(shape)
     return keys, values
+
+
+# Decodes are grouped by length so each group pads only to its own longest sequence;
+# groups of fewer rows than this are not worth another call.
+MIN_ROWS_PER_BUCKET = 16
+MAX_BUCKETS = 4
+
+
+def _length_buckets(rows: np.ndarray, seq_lens: np.ndarray) -> list[np.ndarray]:
+    """Splits decode rows into up to MAX_BUCKETS groups of similar sequence length."""
+    if rows.size == 0:
+        return []
+    num_buckets = min(MAX_BUCKETS, rows.size // MIN_ROWS_PER_BUCKET)
+    if num_buckets <= 1:
+        return [rows]
+    by_length = rows[np.argsort(seq_lens[rows], kind="stable")]
+    return np.array_split(by_length, num_buckets)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -64,9 +84,8 @@ class TorchAttentionBackend(AttentionBackend):
         output = torch.empty_like(query)
         query_lens = metadata.query_lens_np
         is_decode = query_lens == 1 if metadata.causal else np.zeros_like(query_lens, dtype=bool)
-        decode_rows = np.flatnonzero(is_decode)
-        if decode_rows.size:
-            self._decode(query, kv_cache, metadata, decode_rows, scale, output)
+        for rows in _length_buckets(np.flatnonzero(is_decode), metadata.seq_lens_np):
+            self._decode(query, kv_cache, metadata, rows, scale, output)
         for row in np.flatnonzero(~is_decode):
             self._prefill(query, kv_cache, metadata, int(row), scale, output)
         return output
@@ -88,17 +107,19 @@ class TorchAttentionBackend(AttentionBackend):
         token_idx = torch.from_numpy(metadata.query_start_loc_np[rows]).long()
         keys, values = gather_kv(kv_cache, metadata.block_table[rows_t, :num_blocks])
         # keys: (num_decodes, max_len, num_kv_heads, head_size)
-        num_decodes, max_len, num_kv_heads, head_size = keys.shape
-        q = query[token_idx]  # (num_decodes, num_heads, head_size)
-        group = q.shape[1] // num_kv_heads
-        q = q.view(num_decodes, num_kv_heads, group, head_size)
-        scores = torch.einsum("nhgd,nshd->nhgs", q, keys.to(q.dtype)) * scale
+        num_decodes, max_len = keys.shape[:2]
+        q = query[token_idx].unsqueeze(2)  # (num_decodes, num_heads, 1, head_size)
         positions = torch.arange(max_len)
-        pad = positions[None, :] >= torch.from_numpy(seq_lens_np)[:, None]  # (n, max_len)
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out = torch.einsum("nhgs,nshd->nhgd", probs, values.to(q.dtype))
-        output[token_idx] = out.reshape(num_decodes, -1, head_size)
+        valid = positions[None, :] < torch.from_numpy(seq_lens_np)[:, None]  # (n, max_len)
+        out = F.scaled_dot_product_attention(
+            q,
+            keys.transpose(1, 2).to(q.dtype),  # (n, num_kv_heads, max_len, head_size)
+            values.transpose(1, 2).to(q.dtype),
+            attn_mask=valid[:, None, None, :],
+            scale=scale,
+            enable_gqa=q.shape[1] != keys.shape[2],
+        )
+        output[token_idx] = out.squeeze(2)
 
     def _prefill(
         self,

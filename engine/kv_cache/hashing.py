@@ -7,6 +7,7 @@ mean equal prefixes: two requests share block `i` only if everything before it m
 
 from __future__ import annotations
 
+import array
 import hashlib
 
 import numpy as np
@@ -22,7 +23,10 @@ def hash_block_tokens(
 ) -> BlockHash:
     """Returns the 32-byte hash of one full block given its parent's hash."""
     digest = hashlib.sha256(parent_hash)
-    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    if isinstance(token_ids, np.ndarray):
+        digest.update(token_ids.astype(np.int64, copy=False).tobytes())
+    else:
+        digest.update(array.array("q", token_ids).tobytes())  # cheaper than numpy for a block
     if extra_keys:
         digest.update(b"|extra|")
         digest.update(extra_keys)

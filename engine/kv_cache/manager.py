@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvferry.engine.kv_cache.block_pool import BlockPool, KVCacheBlock
 from kvferry.engine.kv_cache.hashing import hash_request_blocks
 from kvferry.engine.request import Request
@@ -48,8 +50,16 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request_id, [])
         return [b.block_id for b in blocks[start:]]
 
-    def get_num_blocks(self, request_id: str) -> int:
-        return len(self.req_to_blocks.get(request_id, ()))
+    def num_slots(self, request_ids: list[str]) -> np.ndarray:
+        """(len(request_ids),) int64: tokens each request's blocks can hold."""
+        blocks = self.req_to_blocks
+        counts = np.fromiter((len(blocks.get(r, ())) for r in request_ids), np.int64,
+                             len(request_ids))
+        return counts * self.block_size
+
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Indexes the request's blocks that are full once it has `num_tokens` computed."""
+        self._cache_full_blocks(request, self.req_to_blocks[request.request_id], num_tokens)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Returns the longest cached prefix of a new request and its length in tokens.
@@ -92,6 +102,14 @@ class KVCacheManager:
         `new_computed_blocks` are prefix-cache hits of a request scheduled for the first
         time; they join its table ahead of the new blocks.
         """
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks and not new_computed_blocks:
+            # Fast path (most decode steps): the tokens fit the request's last block.
+            num_tokens_after = request.num_computed_tokens + num_new_tokens
+            if num_tokens_after <= len(blocks) * self.block_size:
+                if self.enable_caching and num_tokens_after % self.block_size == 0:
+                    self._cache_full_blocks(request, blocks, num_tokens_after)
+                return []
         computed = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
@@ -117,7 +135,7 @@ class KVCacheManager:
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         first = self.num_cached_blocks.get(request.request_id, 0)
         if num_full <= first:
-            return
+            return  # no block became full
         hashes = hash_request_blocks(
             request.all_token_ids, self.block_size, request.block_hashes, request.cache_salt
         )

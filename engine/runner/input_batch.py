@@ -29,6 +29,7 @@ class CachedRequestState:
     generator: torch.Generator | None
     output_token_ids: list[int]
     block_ids: list[int]
+    # As of when the row was last (re)built; while in the batch, the row's count is live.
     num_computed_tokens: int
 
 
@@ -126,6 +127,14 @@ class InputBatch:
         if n < self.max_model_len:
             self.token_ids.np[row, n] = token_id
             self.num_tokens[row] = n + 1
+
+    def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Vectorized `append_token` for many rows (rows already at max_model_len skip it)."""
+        num_tokens = self.num_tokens[rows]
+        fits = num_tokens < self.max_model_len
+        rows, num_tokens = rows[fits], num_tokens[fits]
+        self.token_ids.np[rows, num_tokens] = token_ids[fits]
+        self.num_tokens[rows] = num_tokens + 1
 
     @property
     def active_req_ids(self) -> list[str]:

@@ -149,18 +149,17 @@ class ModelRunner:
             self.requests[new.req_id] = state
             batch.add_request(state)
         cached = so.scheduled_cached_reqs
-        for req_id, new_block_ids, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
-        ):
-            state = self.requests[req_id]
-            state.num_computed_tokens = num_computed
-            row = batch.req_id_to_index.get(req_id)
-            if row is None:
+        index = batch.req_id_to_index
+        rows = [index.get(req_id, -1) for req_id in cached.req_ids]
+        for i, (row, new_block_ids) in enumerate(zip(rows, cached.new_block_ids)):
+            if row < 0:  # back in the batch after a step without tokens
+                state = self.requests[cached.req_ids[i]]
                 state.block_ids.extend(new_block_ids)
-                batch.add_request(state)
-            else:
+                state.num_computed_tokens = cached.num_computed_tokens[i]
+                rows[i] = batch.add_request(state)
+            elif new_block_ids:
                 batch.append_block_ids(row, new_block_ids)
-                batch.num_computed_tokens[row] = num_computed
+        batch.num_computed_tokens[rows] = cached.num_computed_tokens
 
     def _generator_for(self, req_id: str, seed: int | None) -> torch.Generator | None:
         # A request resumed after preemption keeps its generator, so its samples do not
@@ -214,14 +213,14 @@ class ModelRunner:
     def _record_samples(
         self, rows: list[int], output: SamplerOutput, metadata: SamplingMetadata
     ) -> ModelRunnerOutput:
+        """Writes each sampled token into its row: it is that request's next input."""
         batch = self.input_batch
         token_ids = output.sampled_token_ids.tolist()
-        req_ids = []
-        for row, token_id in zip(rows, token_ids):
-            state = batch.states[row]
+        states = [batch.states[row] for row in rows]
+        for state, token_id in zip(states, token_ids):
             state.output_token_ids.append(token_id)
-            batch.append_token(row, token_id)
-            req_ids.append(state.req_id)
+        batch.append_tokens(np.asarray(rows), output.sampled_token_ids.cpu().numpy())
+        req_ids = [state.req_id for state in states]
         return ModelRunnerOutput(req_ids, token_ids, self._logprobs_lists(rows, output))
 
     def _logprobs_lists(

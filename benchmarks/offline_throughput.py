@@ -1,0 +1,313 @@
+"""Offline throughput: output tokens per second of kvferry against HF `generate`.
+
+Builds a random-weight Llama checkpoint (8 layers x 512 hidden, GQA) and a word-level
+tokenizer in a temporary directory, then runs one fixed workload through both:
+
+- HF transformers `generate` in float32 with static batches in input order (left padding
+  and an attention mask; every batch decodes as many tokens as its longest request asks
+  for, EOS disabled), counting only the tokens each request asked for;
+- kvferry `LLM.generate` with continuous batching, chunked prefill and per-request
+  `max_tokens`.
+
+Both see the same prompts (random token ids), greedy decoding and `ignore_eos`. The last
+line printed is one JSON object with the figures.
+
+    python benchmarks/offline_throughput.py [--num-requests 64] [--hf-batch-size 16] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+TARGET_RATIO = 3.0
+UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
+# Wider than HF's default 0.02, so greedy argmax is rarely a near-tie and the two engines'
+# outputs can be compared token for token.
+INIT_RANGE = 0.1
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The checkpoint's architecture fields."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompts and output lengths, in request order."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One engine's pass over the workload."""
+
+    seconds: float
+    # Generated ids per request, cut to the requested length.
+    outputs: list[list[int]]
+
+    def tokens_per_s(self, num_output_tokens: int) -> float:
+        return num_output_tokens / self.seconds
+
+
+FULL_SHAPE = ModelShape(8, 512, 8, 2, 1408, 8192, 1024)
+QUICK_SHAPE = ModelShape(2, 128, 4, 2, 256, 1024, 1024)
+
+
+# ---------------------------------------------------------------------- checkpoint
+def quiet_hf() -> None:
+    """No progress bars or generation warnings from transformers between our lines."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def save_word_tokenizer(path: Path, vocab_size: int) -> None:
+    """A whitespace word-level tokenizer whose vocabulary is exactly the model's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {"<unk>": UNK_ID, "<s>": BOS_ID, "</s>": EOS_ID, "<pad>": PAD_ID}
+    vocab = dict(specials)
+    vocab.update({f"tok{i}": i for i in range(len(specials), vocab_size)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+    )
+    fast.save_pretrained(str(path))
+
+
+def build_checkpoint(path: Path, shape: ModelShape, seed: int) -> None:
+    """Writes config, safetensors weights and tokenizer of a random Llama to `path`."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        architectures=["LlamaForCausalLM"],
+        num_hidden_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        intermediate_size=shape.intermediate_size,
+        vocab_size=shape.vocab_size,
+        max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=False,
+        initializer_range=INIT_RANGE,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(path), safe_serialization=True)
+    save_word_tokenizer(path, shape.vocab_size)
+
+
+# ---------------------------------------------------------------------- workload
+def make_workload(
+    num_requests: int,
+    prompt_len_range: tuple[int, int],
+    output_len_range: tuple[int, int],
+    vocab_size: int,
+    seed: int,
+) -> Workload:
+    """Random prompts (no special tokens) and output lengths, both uniform and inclusive."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(prompt_len_range[0], prompt_len_range[1] + 1, num_requests)
+    output_lens = rng.integers(output_len_range[0], output_len_range[1] + 1, num_requests)
+    prompts = [rng.integers(PAD_ID + 1, vocab_size, int(n)).tolist() for n in prompt_lens]
+    return Workload(prompts, [int(n) for n in output_lens])
+
+
+# ---------------------------------------------------------------------- HF baseline
+def load_hf_model(path: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return model.eval()
+
+
+def hf_generate_batch(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy `generate` of one left-padded static batch; returns the new ids per row."""
+    from transformers import GenerationConfig
+
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt):] = 1
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        eos_token_id=[],
+        pad_token_id=PAD_ID,
+    )
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, generation_config=config
+        )
+    return out[:, width:].tolist()
+
+
+def run_hf(model: Any, workload: Workload, batch_size: int) -> RunResult:
+    """Static batches in input order; each decodes the longest output its batch asks for."""
+    outputs: list[list[int]] = []
+    start = time.perf_counter()
+    for first in range(0, len(workload.prompts), batch_size):
+        prompts = workload.prompts[first:first + batch_size]
+        lens = workload.output_lens[first:first + batch_size]
+        generated = hf_generate_batch(model, prompts, max(lens))
+        outputs.extend(ids[:n] for ids, n in zip(generated, lens))
+    return RunResult(time.perf_counter() - start, outputs)
+
+
+# ---------------------------------------------------------------------- kvferry
+def make_llm(path: Path, max_num_seqs: int, max_num_batched_tokens: int) -> Any:
+    from kvferry import LLM
+
+    return LLM(
+        model=str(path),
+        dtype="float32",
+        max_model_len=1024,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        device="cpu",
+    )
+
+
+def run_kvferry(llm: Any, workload: Workload) -> RunResult:
+    from kvferry import SamplingParams
+
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        for n in workload.output_lens
+    ]
+    start = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return RunResult(seconds, [list(r.outputs[0].token_ids) for r in results])
+
+
+# ---------------------------------------------------------------------- report
+def check_lengths(name: str, result: RunResult, workload: Workload) -> None:
+    got = [len(o) for o in result.outputs]
+    if got != workload.output_lens:
+        bad = next(i for i, (g, w) in enumerate(zip(got, workload.output_lens)) if g != w)
+        raise RuntimeError(
+            f"{name}: request {bad} produced {got[bad]} tokens, asked for "
+            f"{workload.output_lens[bad]}"
+        )
+
+
+def agreement(a: RunResult, b: RunResult) -> tuple[int, float]:
+    """(requests with identical outputs, mean fraction of leading tokens that agree)."""
+    identical, prefix_fractions = 0, []
+    for x, y in zip(a.outputs, b.outputs):
+        identical += x == y
+        common = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+        prefix_fractions.append(common / max(len(x), 1))
+    return identical, float(np.mean(prefix_fractions))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true",
+                        help="a tiny model and workload: a smoke run of a few seconds")
+    parser.add_argument("--skip-hf", action="store_true",
+                        help="measure kvferry only (no ratio)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    quiet_hf()
+    shape = QUICK_SHAPE if args.quick else FULL_SHAPE
+    num_requests = min(args.num_requests, 8) if args.quick else args.num_requests
+    prompt_range, output_range = ((8, 64), (4, 32)) if args.quick else ((32, 512), (32, 256))
+    workload = make_workload(num_requests, prompt_range, output_range, shape.vocab_size, args.seed)
+    warmup = make_workload(4, (16, 64), (4, 8), shape.vocab_size, args.seed + 1)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"model: {shape}")
+    print(f"workload: {num_requests} requests, prompts {prompt_range}, outputs {output_range}: "
+          f"{workload.num_prompt_tokens} prompt and {workload.num_output_tokens} output tokens")
+
+    with tempfile.TemporaryDirectory(prefix="kvferry-bench-") as tmp:
+        path = Path(tmp)
+        build_checkpoint(path, shape, args.seed)
+
+        llm = make_llm(path, args.max_num_seqs, args.max_num_batched_tokens)
+        run_kvferry(llm, warmup)
+        kvferry = run_kvferry(llm, workload)
+        check_lengths("kvferry", kvferry, workload)
+        kv_tps = kvferry.tokens_per_s(workload.num_output_tokens)
+        print(f"kvferry: {kvferry.seconds:.2f} s, {kv_tps:.1f} output tokens/s "
+              f"(max_num_seqs {args.max_num_seqs}, "
+              f"max_num_batched_tokens {args.max_num_batched_tokens})")
+        del llm
+
+        figures: dict[str, Any] = {
+            "kvferry_tokens_per_s": round(kv_tps, 2),
+            "kvferry_seconds": round(kvferry.seconds, 3),
+        }
+        if not args.skip_hf:
+            model = load_hf_model(path)
+            hf_generate_batch(model, warmup.prompts, 4)
+            hf = run_hf(model, workload, args.hf_batch_size)
+            check_lengths("hf", hf, workload)
+            hf_tps = hf.tokens_per_s(workload.num_output_tokens)
+            identical, prefix = agreement(kvferry, hf)
+            ratio = kv_tps / hf_tps
+            print(f"hf generate: {hf.seconds:.2f} s, {hf_tps:.1f} output tokens/s "
+                  f"(static batches of {args.hf_batch_size})")
+            print(f"greedy agreement: {identical}/{num_requests} requests identical, "
+                  f"{prefix:.1%} of tokens before the first difference")
+            print(f"ratio kvferry / hf: {ratio:.2f} (target >= {TARGET_RATIO})")
+            figures.update(
+                hf_tokens_per_s=round(hf_tps, 2),
+                hf_seconds=round(hf.seconds, 3),
+                ratio=round(ratio, 3),
+                target_ratio=TARGET_RATIO,
+                identical_outputs=identical,
+            )
+    figures.update(num_requests=num_requests, output_tokens=workload.num_output_tokens)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
