@@ -231,20 +231,21 @@ class Scheduler:
         preempted: list[Request],
         budget: _Budget,
     ) -> SchedulerOutput:
-        new_reqs, cached = [], CachedRequestData()
+        # Invariant: a request scheduled from `running` already has a runner row (it got
+        # one the step it was admitted), and one admitted from `waiting` has none (new, or
+        # dropped from the runner when it was preempted).
+        if preempted:
+            running = [r for r in running if r.status == RequestStatus.RUNNING]
+        req_ids = [r.request_id for r in running]
         new_block_ids = budget.new_block_ids
-        for request in running + waiting:
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted later in the same step
-            req_id = request.request_id
-            if req_id in self._runner_known:
-                cached.req_ids.append(req_id)
-                cached.new_block_ids.append(new_block_ids.get(req_id) or [])
-                cached.num_computed_tokens.append(request.num_computed_tokens)
-            else:
-                block_ids = self.kv_cache_manager.get_block_ids(req_id)
-                new_reqs.append(_new_request_data(request, block_ids))
-                self._runner_known.add(req_id)
+        cached = CachedRequestData(
+            req_ids=req_ids,
+            new_block_ids=[new_block_ids.get(r) or [] for r in req_ids],
+            num_computed_tokens=[r.num_computed_tokens for r in running],
+        )
+        get_block_ids = self.kv_cache_manager.get_block_ids
+        new_reqs = [_new_request_data(r, get_block_ids(r.request_id)) for r in waiting]
+        self._runner_known.update(r.request_id for r in waiting)
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -284,16 +285,16 @@ class Scheduler:
         """
         updates = []
         stopped = False
+        requests, running = self.requests, RequestStatus.RUNNING
         for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(req_id)
+            if request is None or request.status is not running:
                 continue  # aborted while the step ran
-            request.output_token_ids.append(token_id)
+            outputs = request.output_token_ids
+            outputs.append(token_id)
             request.all_token_ids.append(token_id)
             # Most tokens neither stop nor reach a length cap: one set test, one compare.
-            if token_id in request.stop_token_set or (
-                len(request.output_token_ids) >= request.max_output_tokens
-            ):
+            if token_id in request.stop_token_set or len(outputs) >= request.max_output_tokens:
                 status = self._check_stop(request, token_id)
                 if status is not None:
                     request.status = status
