@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import kmock
+
+from kvferry.operator import KIND
 from kvferry.operator.emulator import (
     OperatorProcess,
     emulated_cluster,
@@ -25,32 +29,62 @@ from kvferry.operator.emulator import (
     wait_for,
     write_kubeconfig,
 )
+from kvferry.operator.kube import RESOURCES
 from kvferry.operator.render import render_children
 from kvferry.operator.spec import parse_spec
 
 SPEC = {"model": {"source": "demo"},
         "pools": {"prefill": {}, "decode": {"autoscaling": {"maxReplicas": 4}}}}
 TARGET_SECONDS_PER_OBJECT = 0.2
+# Short, so that noticing the end adds little to the time of one object; a poll is cheap.
+POLL_SECONDS = 0.005
+
+ObjectKey = tuple[Any, str, str]  # (kmock resource, namespace, name), as kmock keys objects
 
 
-def _expected_children(k: Any, bodies: list[dict[str, Any]]) -> set[tuple[str, str]]:
-    plural = {"ConfigMap": "configmaps", "Secret": "secrets", "Service": "services",
-              "Deployment": "deployments", "PodDisruptionBudget": "poddisruptionbudgets",
-              "HorizontalPodAutoscaler": "horizontalpodautoscalers", "Ingress": "ingresses"}
-    return {(plural[c.kind], c.name) for b in bodies for c in render_children(parse_spec(b))}
+def _object_key(kind: str, name: str, namespace: str = "default") -> ObjectKey:
+    api_version, plural = RESOURCES[kind]
+    return kmock.resource(f"{api_version}/{plural}"), namespace, name
 
 
-def _progress(k: Any, expected: set[tuple[str, str]], names: set[str]) -> tuple[int, int]:
-    """(children that exist, services whose status was written), read from emulator memory."""
-    present, with_status = set(), 0
-    for (resource, _, name), obj in list(k.objects.items()):
-        if obj.deleted:
-            continue
-        if resource.plural == "inferenceservices":
-            with_status += name in names and bool((obj.get("status") or {}).get("conditions"))
-        elif (resource.plural, name) in expected:
-            present.add((resource.plural, name))
-    return len(present), with_status
+def _expected(bodies: list[dict[str, Any]]) -> list[tuple[ObjectKey, bool]]:
+    """(key, needs a status) of every object that must exist: each service, then its children."""
+    expected = []
+    for body in bodies:
+        expected.append((_object_key(KIND, body["metadata"]["name"]), True))
+        expected += [(_object_key(c.kind, c.name), False) for c in render_children(parse_spec(body))]
+    return expected
+
+
+def _is_done(k: Any, key: ObjectKey, needs_status: bool) -> bool:
+    """The object exists (and has conditions in its status when `needs_status`)."""
+    if key not in k.objects or k.objects[key].deleted:
+        return False
+    return not needs_status or bool((k.objects[key].get("status") or {}).get("conditions"))
+
+
+class Completion:
+    """Which expected objects are still missing, checked without rescanning the others.
+
+    Each poll walks the pending objects in order and stops at the first one still missing,
+    so a poll costs what it finds plus one lookup, however many objects exist. Once none is
+    pending, `verify()` checks every object once more, in case one vanished since it was seen.
+    """
+
+    def __init__(self, k: Any, expected: list[tuple[ObjectKey, bool]]) -> None:
+        self.k = k
+        self.expected = expected
+        self.pending = collections.deque(expected)
+
+    def poll(self) -> bool:
+        """True when every expected object has been seen in its finished state."""
+        while self.pending and _is_done(self.k, *self.pending[0]):
+            self.pending.popleft()
+        return not self.pending
+
+    def verify(self) -> bool:
+        """Every expected object is in its finished state now (one full pass)."""
+        return all(_is_done(self.k, key, needs_status) for key, needs_status in self.expected)
 
 
 async def measure(n: int, workdir: Path) -> dict[str, Any]:
@@ -62,14 +96,16 @@ async def measure(n: int, workdir: Path) -> dict[str, Any]:
             await wait_for(lambda: sum("watch=true" in str(r.url) for r in k.served) >= 7, 60,
                            "the operator's watch streams")
             bodies = [new_service(f"bench-{i:03d}", SPEC) for i in range(n)]
-            expected, names = _expected_children(k, bodies), {b["metadata"]["name"] for b in bodies}
+            completion = Completion(k, _expected(bodies))
             started = time.perf_counter()
             await asyncio.gather(*(client.create("default", b) for b in bodies))
-            await wait_for(lambda: _progress(k, expected, names) == (len(expected), n),
-                           max(60.0, 2.0 * n), f"{n} services to settle", interval=0.05)
+            await wait_for(completion.poll, max(60.0, 2.0 * n), f"{n} services to settle",
+                           interval=POLL_SECONDS)
             elapsed = time.perf_counter() - started
+            if not completion.verify():
+                raise RuntimeError(f"an object of the {n} services vanished after it was seen")
     return {"n": n, "seconds": elapsed, "seconds_per_object": elapsed / n,
-            "children": len(expected), "requests": len(k.served)}
+            "children": len(completion.expected) - n, "requests": len(k.served)}
 
 
 async def main(sizes: list[int]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvferry.operator.emulator import new_service, wait_for
+from kvferry.operator.kube import ApiError, object_path
 from kvferry.operator.render import render_children
 from kvferry.operator.spec import parse_spec
 
@@ -191,3 +192,72 @@ def _cr_patch(name: str, generation: int) -> dict[str, Any]:
     return {"apiVersion": "kvferry.dev/v1alpha1", "kind": "InferenceService",
             "metadata": {"name": name, "generation": generation}}
 
+
+
+def test_new_service_is_reconciled_once_with_one_write_per_child(cluster, run_async) -> None:
+    async def scenario() -> None:
+        async with cluster() as (k, client, start_operator), start_operator() as operator:
+            body = new_service("chat", DISAGGREGATED)
+            children = render_children(parse_spec(body))
+            await wait_for(lambda: sum("watch=true" in str(r.url) for r in k.served) >= 7, 20,
+                           "the operator's watch streams")
+            before = len(k.served)
+            await client.create(NS, body)
+            # Read the emulator's memory, not the API, so every request below but the create is
+            # the operator's.
+            await wait_for(lambda: _status_conditions(k, "chat"), 15, "status of chat")
+            await wait_for(lambda: "Handling cycle is finished" in operator.log_path.read_text(),
+                           15, "kopf to finish with chat")
+            served = [(str(r.method.value).upper(), r.url.path) for r in k.served[before:]
+                      if "watch=true" not in str(r.url)]
+            assert [m for m, p in served if m == "GET"] == []
+            assert sorted(p for m, p in served if m == "POST") == sorted(
+                [object_path("InferenceService", NS)] + [object_path(c.kind, NS) for c in children])
+            service_path = object_path("InferenceService", NS, "chat")
+            assert sorted(p for m, p in served if m == "PATCH") == [service_path, service_path + "/status"]
+            assert operator.log_path.read_text().count("Handler 'reconcile' is invoked") == 1
+
+    run_async(scenario())
+
+
+def test_child_that_already_exists_is_compared_and_patched(cluster, run_async) -> None:
+    async def scenario() -> None:
+        async with cluster() as (k, client, start_operator), start_operator():
+            body = new_service("chat", DISAGGREGATED)
+            config = next(c for c in render_children(parse_spec(body)) if c.kind == "ConfigMap")
+            await client.create(NS, {**config.manifest, "data": {"KVFERRY_SERVICE": "stale"}})
+            await create_and_settle(client, "chat", DISAGGREGATED)
+            live = await client.get("ConfigMap", NS, config.name)
+            assert live["data"] == config.manifest["data"]
+            assert versions(k, "configmaps", config.name) == 2  # created by hand, then patched once
+
+    run_async(scenario())
+
+
+def test_emulator_versions_writes_and_answers_by_key(cluster, run_async) -> None:
+    async def scenario() -> None:
+        async with cluster() as (k, client, _):
+            for name in ("a", "b", "c"):
+                await client.create(NS, new_service(name, DISAGGREGATED))
+            await client.patch_status("InferenceService", NS, "b", {"url": "http://b"})
+            b = await client.get("InferenceService", NS, "b")
+            assert (b["metadata"]["name"], b["status"]) == ("b", {"url": "http://b"})
+            assert [(await client.get("InferenceService", NS, n))["metadata"]["resourceVersion"]
+                    for n in ("a", "b", "c")] == ["1", "4", "3"]
+            assert await client.get("InferenceService", NS, "d") is None
+            assert await client.get("InferenceService", "elsewhere", "a") is None
+            try:
+                await client.create(NS, new_service("a", DISAGGREGATED))
+            except ApiError as exc:
+                assert exc.status == 409
+            else:
+                raise AssertionError("a second create of the same name must conflict")
+
+    run_async(scenario())
+
+
+def _status_conditions(k: Any, name: str) -> list[Any]:
+    for (resource, _, obj_name), obj in k.objects.items():
+        if resource.plural == "inferenceservices" and obj_name == name and not obj.deleted:
+            return (obj.get("status") or {}).get("conditions") or []
+    return []

@@ -30,12 +30,21 @@ ALL_VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 
 
 class Emulator(kmock.KubernetesEmulator):
-    """`kmock.KubernetesEmulator` with a request log that does not slow it down.
+    """`kmock.KubernetesEmulator` whose cost per request does not grow with the cluster.
 
-    kmock matches each new request against its reactions by scanning every request served
-    so far, so a long run (hundreds of objects, thousands of requests) gets slower with each
-    request. This keeps only the current request in kmock's own list and the whole log in
-    `served`, which makes each request cost the same however many came before.
+    Three differences from kmock's own behaviour, all towards a real API server:
+
+    - Request log: kmock matches each new request against its reactions by scanning every
+      request served so far. This keeps only the current request in kmock's own list and
+      the whole log in `served`.
+    - Lookups: kmock finds the object of a get, create, patch or delete by scanning every
+      object it stores; here it is one dict lookup by (resource, namespace, name). A
+      not-found answer carries the object's name as a real one does, not a formatted
+      Python traceback.
+    - `metadata.resourceVersion`: every create and patch stamps a new one, as the API
+      server does. kopf relies on it to tell a stale watch event (one sent before its own
+      last patch) from a current one; without it, kopf reprocesses each object once more
+      after the operator's own status write.
     """
 
     @property
@@ -48,7 +57,50 @@ class Emulator(kmock.KubernetesEmulator):
     async def _handle(self, request: kmock.Request) -> Any:
         self.served.append(request)
         del self._requests[:-1]
+        if request.action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, dict):
+            self._stamp_resource_version(request.data)
         return await super()._handle(request)
+
+    def _stamp_resource_version(self, data: dict[str, Any]) -> None:
+        # A write's body is what kmock stores (create) or merges (patch), so the stamp
+        # lands in the stored object and in the watch event kmock sends for it.
+        version = self.__dict__.get("_resource_version", 0) + 1
+        self.__dict__["_resource_version"] = version
+        metadata = data.get("metadata")
+        if not isinstance(metadata, dict):
+            metadata = data["metadata"] = {}
+        metadata["resourceVersion"] = str(version)
+
+    def _live(self, request: kmock.Request, namespace: str | None, name: str | None) -> kmock.Object:
+        key = (request.resource, namespace, name)
+        obj = self.objects[key] if key in self.objects else None
+        if obj is None or obj.deleted:
+            raise kmock.KubernetesObjectNotFoundError(
+                details={"name": name, "kind": request.resource.plural if request.resource else None})
+        return obj
+
+    async def _serve_fetch(self, request: kmock.Request) -> Any:
+        return self._live(request, request.namespace, request.name).raw
+
+    async def _serve_create(self, request: kmock.Request) -> Any:
+        # The collection URL of a create names no object; the body does.
+        metadata = request.data.get("metadata", {})
+        namespace = request.namespace or metadata.get("namespace")
+        return self._live(request, namespace, request.name or metadata.get("name")).raw
+
+    async def _serve_update(self, request: kmock.Request) -> Any:
+        return self._live_or_last(request).last.raw
+
+    async def _serve_delete(self, request: kmock.Request) -> Any:
+        return self._live_or_last(request).last.raw
+
+    def _live_or_last(self, request: kmock.Request) -> kmock.Object:
+        # kmock has already applied the patch or delete; a just-deleted object answers
+        # with its last state, as the API server does.
+        key = (request.resource, request.namespace, request.name)
+        if key not in self.objects:
+            raise kmock.KubernetesObjectNotFoundError(details={"name": request.name})
+        return self.objects[key]
 
 
 def register_resources(k: kmock.KubernetesEmulator) -> None:
