@@ -1,9 +1,9 @@
 """The torch attention backend: the CPU path and the reference for the Triton kernels.
 
 A step's batch mixes decodes (one query token) and prefills (many, possibly on top of a
-cached prefix). Decodes run together as one padded batched attention over keys gathered
-through the block table; each prefill runs as one `scaled_dot_product_attention` call
-with a causal mask shifted by its cached prefix length.
+cached prefix). Decodes run together, grouped by length, as padded batched attention over
+keys gathered through the block table; each prefill runs as one causal
+`scaled_dot_product_attention` call whose diagonal is shifted by its cached prefix.
 """
 
 from __future__ import annotations
@@ -11,8 +11,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from kvferry.engine.attention.backend import AttentionBackend, AttentionMetadata, KVCacheView
+
+# Decodes are grouped by length so each group pads only to its own longest sequence;
+# groups of fewer rows than this are not worth another call.
+MIN_ROWS_PER_BUCKET = 16
+MAX_BUCKETS = 4
 
 
 def write_kv_to_cache(
@@ -35,23 +41,28 @@ def write_kv_to_cache(
 def gather_kv(
     kv_cache: KVCacheView,
     block_ids: torch.Tensor,  # (num_seqs, num_blocks) int32
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns keys and values of `block_ids`, each (num_seqs, num_blocks * block_size, H, D)."""
+    """Returns keys and values of `block_ids`, each (num_seqs, num_blocks * block_size, H, D).
+
+    `out`, when given, is a pair of flat buffers of at least that many elements to copy
+    into (reusing memory avoids page faults on every layer's fresh allocation).
+    """
     key_cache, value_cache = kv_cache
     num_seqs, num_blocks = block_ids.shape
     flat = block_ids.reshape(-1).long()
+    block_shape = (num_seqs * num_blocks, *key_cache.shape[1:])
+    shape = (num_seqs, num_blocks * key_cache.shape[1], *key_cache.shape[2:])
     # index_select copies whole blocks; advanced indexing on these strided views is many
     # times slower on CPU.
-    shape = (num_seqs, num_blocks * key_cache.shape[1], *key_cache.shape[2:])
-    keys = key_cache.index_select(0, flat).view(shape)
-    values = value_cache.index_select(0, flat).view(shape)
-    return keys, values
-
-
-# Decodes are grouped by length so each group pads only to its own longest sequence;
-# groups of fewer rows than this are not worth another call.
-MIN_ROWS_PER_BUCKET = 16
-MAX_BUCKETS = 4
+    if out is None:
+        keys = key_cache.index_select(0, flat)
+        values = value_cache.index_select(0, flat)
+    else:
+        numel = flat.numel() * key_cache[0].numel()
+        keys = torch.index_select(key_cache, 0, flat, out=out[0][:numel].view(block_shape))
+        values = torch.index_select(value_cache, 0, flat, out=out[1][:numel].view(block_shape))
+    return keys.view(shape), values.view(shape)
 
 
 def _length_buckets(rows: np.ndarray, seq_lens: np.ndarray) -> list[np.ndarray]:
@@ -65,10 +76,28 @@ def _length_buckets(rows: np.ndarray, seq_lens: np.ndarray) -> list[np.ndarray]:
     return np.array_split(by_length, num_buckets)
 
 
+class _Workspace:
+    """Grow-only flat buffers for gathered keys and values, reused across layers and steps."""
+
+    def __init__(self) -> None:
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def get(self, numel: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        buffers = self._buffers
+        if buffers is None or buffers[0].numel() < numel or buffers[0].dtype != like.dtype:
+            size = max(numel, 0 if buffers is None else buffers[0].numel())
+            buffers = (like.new_empty(size), like.new_empty(size))
+            self._buffers = buffers
+        return buffers
+
+
 class TorchAttentionBackend(AttentionBackend):
     """Paged attention in plain torch ops; exact enough to compare with HF in float32."""
 
     name = "torch"
+
+    def __init__(self) -> None:
+        self._workspace = _Workspace()
 
     def forward(
         self,
@@ -86,8 +115,8 @@ class TorchAttentionBackend(AttentionBackend):
         is_decode = query_lens == 1 if metadata.causal else np.zeros_like(query_lens, dtype=bool)
         for rows in _length_buckets(np.flatnonzero(is_decode), metadata.seq_lens_np):
             self._decode(query, kv_cache, metadata, rows, scale, output)
-        for row in np.flatnonzero(~is_decode):
-            self._prefill(query, kv_cache, metadata, int(row), scale, output)
+        for row in np.flatnonzero(~is_decode).tolist():
+            self._prefill(query, key, value, kv_cache, metadata, row, scale, output)
         return output
 
     def _decode(
@@ -100,30 +129,34 @@ class TorchAttentionBackend(AttentionBackend):
         output: torch.Tensor,
     ) -> None:
         """One query token per row: batched attention over keys padded to the longest row."""
-        block_size = kv_cache[0].shape[1]
+        key_cache = kv_cache[0]
+        block_size, num_kv_heads, head_size = key_cache.shape[1:]
         seq_lens_np = metadata.seq_lens_np[rows]
         num_blocks = int(-(-seq_lens_np.max() // block_size))
-        rows_t = torch.from_numpy(rows)
-        token_idx = torch.from_numpy(metadata.query_start_loc_np[rows]).long()
-        keys, values = gather_kv(kv_cache, metadata.block_table[rows_t, :num_blocks])
+        block_ids = metadata.block_table[torch.from_numpy(rows), :num_blocks]
+        workspace = self._workspace.get(block_ids.numel() * key_cache[0].numel(), key_cache)
+        keys, values = gather_kv(kv_cache, block_ids, workspace)
         # keys: (num_decodes, max_len, num_kv_heads, head_size)
         num_decodes, max_len = keys.shape[:2]
-        q = query[token_idx].unsqueeze(2)  # (num_decodes, num_heads, 1, head_size)
-        positions = torch.arange(max_len)
-        valid = positions[None, :] < torch.from_numpy(seq_lens_np)[:, None]  # (n, max_len)
+        token_idx = torch.from_numpy(metadata.query_start_loc_np[rows]).long()
+        # Grouped-query attention without repeating keys: the query heads that share a kv
+        # head become that head's "query positions".
+        q = query[token_idx].view(num_decodes, num_kv_heads, -1, head_size)
+        valid = torch.arange(max_len)[None, :] < torch.from_numpy(seq_lens_np)[:, None]
         out = F.scaled_dot_product_attention(
             q,
             keys.transpose(1, 2).to(q.dtype),  # (n, num_kv_heads, max_len, head_size)
             values.transpose(1, 2).to(q.dtype),
             attn_mask=valid[:, None, None, :],
             scale=scale,
-            enable_gqa=q.shape[1] != keys.shape[2],
         )
-        output[token_idx] = out.squeeze(2)
+        output[token_idx] = out.reshape(num_decodes, -1, head_size)
 
     def _prefill(
         self,
         query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         kv_cache: KVCacheView,
         metadata: AttentionMetadata,
         row: int,
@@ -134,20 +167,30 @@ class TorchAttentionBackend(AttentionBackend):
         start, end = metadata.query_start_loc_np[row], metadata.query_start_loc_np[row + 1]
         seq_len = int(metadata.seq_lens_np[row])
         query_len = int(end - start)
-        block_size = kv_cache[0].shape[1]
-        num_blocks = -(-seq_len // block_size)
-        keys, values = gather_kv(kv_cache, metadata.block_table[row : row + 1, :num_blocks])
-        keys, values = keys[0, :seq_len], values[0, :seq_len]  # (seq_len, H_kv, D)
+        if seq_len == query_len:
+            # Nothing cached before this chunk: its own keys are the whole sequence.
+            keys, values = key[start:end], value[start:end]  # (seq_len, H_kv, D)
+        else:
+            block_size = kv_cache[0].shape[1]
+            num_blocks = -(-seq_len // block_size)
+            keys, values = gather_kv(kv_cache, metadata.block_table[row : row + 1, :num_blocks])
+            keys, values = keys[0, :seq_len], values[0, :seq_len]
         q = query[start:end].transpose(0, 1)  # (num_heads, query_len, head_size)
-        k = keys.transpose(0, 1).to(q.dtype)  # (num_kv_heads, seq_len, head_size)
-        v = values.transpose(0, 1).to(q.dtype)
-        mask = None
-        if metadata.causal:
-            # Query j sits at position (seq_len - query_len + j) and sees keys up to it.
-            context_len = seq_len - query_len
-            q_pos = torch.arange(query_len)[:, None] + context_len
-            mask = torch.arange(seq_len)[None, :] <= q_pos  # (query_len, seq_len)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[0] != k.shape[0]
-        )
-        output[start:end] = out.transpose(0, 1)
+        group = q.shape[0] // keys.shape[1]
+        # Repeating kv heads beats SDPA's own GQA path on CPU and keeps the fused kernel.
+        k = keys.transpose(0, 1).to(q.dtype).repeat_interleave(group, dim=0)
+        v = values.transpose(0, 1).to(q.dtype).repeat_interleave(group, dim=0)
+        if not metadata.causal:
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale)
+        elif seq_len == query_len:
+            out = F.scaled_dot_product_attention(
+                q[None], k[None], v[None], is_causal=True, scale=scale
+            )
+        else:
+            # Query j sits at position (seq_len - query_len + j): a causal mask aligned to
+            # the bottom-right corner of the (query_len, seq_len) score matrix.
+            out = F.scaled_dot_product_attention(
+                q[None], k[None], v[None], attn_mask=causal_lower_right(query_len, seq_len),
+                scale=scale,
+            )
+        output[start:end] = out[0].transpose(0, 1)
