@@ -138,7 +138,7 @@ class HostRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         # Token id derived from the position, so rows differ and prefix hashes stay distinct.
         fake = torch.from_numpy(prepared.positions[prepared.logits_indices] % VOCAB_SIZE)
-        return self.runner._record_samples(rows, SamplerOutput(fake, None), None)
+        return self.runner._record_samples(rows, SamplerOutput(fake, None))
 
 
 @dataclass

@@ -125,7 +125,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.from_numpy(prepared.logits_indices)])
         sampling_metadata = self._sampling_metadata(sampled_rows, scheduler_output)
         sampler_output = self.sampler(logits, sampling_metadata)
-        return self._record_samples(sampled_rows, sampler_output, sampling_metadata)
+        return self._record_samples(sampled_rows, sampler_output)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         """Applies the scheduler's diff to the persistent batch."""
@@ -210,9 +210,7 @@ class ModelRunner:
             device=self.device,
         )
 
-    def _record_samples(
-        self, rows: list[int], output: SamplerOutput, metadata: SamplingMetadata
-    ) -> ModelRunnerOutput:
+    def _record_samples(self, rows: list[int], output: SamplerOutput) -> ModelRunnerOutput:
         """Writes each sampled token into its row: it is that request's next input."""
         batch = self.input_batch
         token_ids = output.sampled_token_ids.tolist()
