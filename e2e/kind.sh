@@ -16,7 +16,7 @@ for tool in docker kind kubectl "$HELM"; do
 done
 
 cleanup() {
-    [ -n "${FORWARD_PID:-}" ] && kill "$FORWARD_PID" 2>/dev/null || true
+    if [ -n "${FORWARD_PID:-}" ]; then kill "$FORWARD_PID" 2>/dev/null || true; fi
     if [ "${KEEP:-0}" != 1 ]; then kind delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true; fi
 }
 trap cleanup EXIT
