@@ -17,8 +17,8 @@ from kvferry.engine.attention.backend import AttentionBackend, AttentionMetadata
 
 # Decodes are grouped by length so each group pads only to its own longest sequence;
 # groups of fewer rows than this are not worth another call.
-MIN_ROWS_PER_BUCKET = 16
-MAX_BUCKETS = 4
+MIN_ROWS_PER_BUCKET = 8
+MAX_BUCKETS = 8
 
 
 def write_kv_to_cache(
