@@ -39,11 +39,19 @@ def hash_request_blocks(
     known_hashes: list[BlockHash],
     extra_keys: bytes | None = None,
 ) -> list[BlockHash]:
-    """Extends `known_hashes` (in place) with the hashes of every newly full block."""
-    num_full = len(token_ids) // block_size
+    """Extends `known_hashes` (in place) with the hashes of every newly full block.
+
+    Equal to chaining `hash_block_tokens` block by block, with the token bytes of all new
+    blocks packed at once (this runs for every admitted prompt).
+    """
+    first, num_full = len(known_hashes), len(token_ids) // block_size
+    if num_full <= first:
+        return known_hashes
+    data = array.array("q", token_ids[first * block_size : num_full * block_size]).tobytes()
+    suffix = b"|extra|" + extra_keys if extra_keys else b""
+    step = block_size * 8  # bytes of one block's int64 token ids
     parent = known_hashes[-1] if known_hashes else ROOT_HASH
-    for i in range(len(known_hashes), num_full):
-        block = token_ids[i * block_size : (i + 1) * block_size]
-        parent = hash_block_tokens(parent, block, extra_keys)
+    for offset in range(0, len(data), step):
+        parent = hashlib.sha256(parent + data[offset : offset + step] + suffix).digest()
         known_hashes.append(parent)
     return known_hashes
