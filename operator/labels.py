@@ -31,3 +31,12 @@ def labels(service: str, component: str) -> dict[str, str]:
         "app.kubernetes.io/managed-by": MANAGED_BY,
         **selector_labels(service, component),
     }
+
+
+def scrape_annotations() -> dict[str, str]:
+    """Pod annotations that let Prometheus scrape `/metrics` on the HTTP port."""
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(HTTP_PORT),
+        "prometheus.io/path": "/metrics",
+    }

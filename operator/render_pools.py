@@ -9,6 +9,7 @@ from kvferry.operator.labels import (
     NIXL_PORT,
     child_name,
     labels,
+    scrape_annotations,
     selector_labels,
 )
 from kvferry.operator.spec import InferenceServiceSpec, PoolSpec, Resources
@@ -154,11 +155,7 @@ def render_deployment(spec: InferenceServiceSpec, pool: PoolSpec, redis_url: str
         "template": {
             "metadata": {
                 "labels": pod_labels,
-                "annotations": {
-                    "prometheus.io/scrape": "true",
-                    "prometheus.io/port": str(HTTP_PORT),
-                    "prometheus.io/path": "/metrics",
-                },
+                "annotations": scrape_annotations(),
             },
             "spec": pod,
         },

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvferry.operator.labels import HTTP_PORT, child_name, labels, selector_labels
+from kvferry.operator.labels import (
+    HTTP_PORT,
+    child_name,
+    labels,
+    scrape_annotations,
+    selector_labels,
+)
 from kvferry.operator.render_pools import health_probes, pod_spec_common, resources_manifest
 from kvferry.operator.spec import InferenceServiceSpec
 
@@ -56,11 +62,7 @@ def render_router_deployment(spec: InferenceServiceSpec, redis_url: str,
             "template": {
                 "metadata": {
                     "labels": pod_labels,
-                    "annotations": {
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(HTTP_PORT),
-                        "prometheus.io/path": "/metrics",
-                    },
+                    "annotations": scrape_annotations(),
                 },
                 "spec": {**pod_spec_common(spec), "containers": [container], "volumes": volumes},
             },
