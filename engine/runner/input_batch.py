@@ -122,14 +122,11 @@ class InputBatch:
             state.block_ids.extend(block_ids)
 
     def append_token(self, row: int, token_id: int) -> None:
-        """Records a sampled token: it is the next step's input for this row."""
-        n = int(self.num_tokens[row])
-        if n < self.max_model_len:
-            self.token_ids.np[row, n] = token_id
-            self.num_tokens[row] = n + 1
+        """Records one sampled token: it is the next step's input for this row."""
+        self.append_tokens(np.array([row]), np.array([token_id]))
 
     def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
-        """Vectorized `append_token` for many rows (rows already at max_model_len skip it)."""
+        """Records sampled tokens of many rows (rows already at max_model_len skip it)."""
         num_tokens = self.num_tokens[rows]
         fits = num_tokens < self.max_model_len
         rows, num_tokens = rows[fits], num_tokens[fits]
