@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import tempfile
 import time
 from dataclasses import dataclass
@@ -71,6 +72,8 @@ class RunResult:
     seconds: float
     # Generated ids per request, cut to the requested length.
     outputs: list[list[int]]
+    # Minor page faults during the run (kvferry only).
+    page_faults: int = 0
 
     def tokens_per_s(self, num_output_tokens: int) -> float:
         return num_output_tokens / self.seconds
@@ -213,10 +216,17 @@ def run_kvferry(llm: Any, workload: Workload) -> RunResult:
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         for n in workload.output_lens
     ]
+    faults = minor_page_faults()
     start = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return RunResult(seconds, [list(r.outputs[0].token_ids) for r in results])
+    faults = minor_page_faults() - faults
+    return RunResult(seconds, [list(r.outputs[0].token_ids) for r in results], faults)
+
+
+def minor_page_faults() -> int:
+    """Minor page faults of this process so far (fresh memory the kernel had to map)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 # ---------------------------------------------------------------------- report
@@ -279,12 +289,14 @@ def main() -> None:
         kv_tps = kvferry.tokens_per_s(workload.num_output_tokens)
         print(f"kvferry: {kvferry.seconds:.2f} s, {kv_tps:.1f} output tokens/s "
               f"(max_num_seqs {args.max_num_seqs}, "
-              f"max_num_batched_tokens {args.max_num_batched_tokens})")
+              f"max_num_batched_tokens {args.max_num_batched_tokens}); "
+              f"{kvferry.page_faults} minor page faults")
         del llm
 
         figures: dict[str, Any] = {
             "kvferry_tokens_per_s": round(kv_tps, 2),
             "kvferry_seconds": round(kvferry.seconds, 3),
+            "kvferry_minor_page_faults": kvferry.page_faults,
         }
         if not args.skip_hf:
             model = load_hf_model(path)

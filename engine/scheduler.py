@@ -12,6 +12,8 @@ so the next step can be planned before this one's tokens are sampled.
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import numpy as np
 
 from kvferry.engine.config import SchedulerConfig
@@ -24,6 +26,10 @@ from kvferry.engine.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+
+_request_id = attrgetter("request_id")
+_num_computed_tokens = attrgetter("num_computed_tokens")
+_all_token_ids = attrgetter("all_token_ids")
 
 
 class Scheduler:
@@ -110,33 +116,43 @@ class Scheduler:
         """The common step, with NumPy over all running requests; None if blocks ran out.
 
         Each request wants its unscheduled known tokens (never past max_model_len: a full
-        sequence's last token is not fed); the budget serves them in running order. Only
-        requests whose tokens cross into a new block call the allocator.
+        sequence's last token is not fed); the budget serves them in running order.
+        Requests whose tokens cross into new blocks get them in one allocation, all or
+        nothing; if the pool cannot serve them all, the slow pass preempts.
         """
         running = self.running
         num = len(running)
         if num == 0:
             return []
         manager = self.kv_cache_manager
-        computed = np.fromiter((r.num_computed_tokens for r in running), np.int64, num)
-        known = np.fromiter((len(r.all_token_ids) for r in running), np.int64, num)
+        # map() with C-level getters: these run every step over every running request.
+        computed = np.fromiter(map(_num_computed_tokens, running), np.int64, num)
+        known = np.fromiter(map(len, map(_all_token_ids, running)), np.int64, num)
         wanted = np.maximum(np.minimum(known, self.config.max_model_len) - computed, 0)
         num_new = np.clip(budget.tokens - (np.cumsum(wanted) - wanted), 0, wanted)
         ends = computed + num_new
-        capacity = manager.num_slots([r.request_id for r in running])
-        for i in np.flatnonzero(ends > capacity).tolist():
-            new_blocks = manager.allocate_slots(running[i], int(num_new[i]))
-            if new_blocks is None:
-                return None  # the blocks allocated so far stay; the slow pass reuses them
-            budget.new_block_ids[running[i].request_id] = [b.block_id for b in new_blocks]
+        req_ids = list(map(_request_id, running))
+        grow = np.flatnonzero(ends > manager.num_slots(req_ids))
+        if grow.size:
+            growing = [running[i] for i in grow.tolist()]
+            new_block_ids = manager.allocate_running_slots(growing, ends[grow].tolist())
+            if new_block_ids is None:
+                return None
+            budget.new_block_ids.update(zip(map(_request_id, growing), new_block_ids))
         if manager.enable_caching:
             # A block that fills up this step joins the prefix cache now.
-            filled = (ends <= capacity) & (ends > computed) & (ends % manager.block_size == 0)
-            for i in np.flatnonzero(filled).tolist():
+            block_size = manager.block_size
+            filled = np.flatnonzero(ends // block_size > computed // block_size)
+            for i in filled.tolist():
                 manager.cache_full_blocks(running[i], int(ends[i]))
-        rows = np.flatnonzero(num_new).tolist()
-        scheduled = [running[i] for i in rows]
-        budget.take_many(scheduled, num_new[rows].tolist())
+        rows = np.flatnonzero(num_new)
+        if rows.size == num:
+            # A copy: admitting waiting requests appends to self.running.
+            scheduled, scheduled_ids = list(running), req_ids
+        else:
+            scheduled = [running[i] for i in rows.tolist()]
+            scheduled_ids = list(map(_request_id, scheduled))
+        budget.take_many(scheduled, scheduled_ids, num_new[rows].tolist())
         return scheduled
 
     def _schedule_running_one_by_one(
@@ -236,12 +252,10 @@ class Scheduler:
         # dropped from the runner when it was preempted).
         if preempted:
             running = [r for r in running if r.status == RequestStatus.RUNNING]
-        req_ids = [r.request_id for r in running]
-        new_block_ids = budget.new_block_ids
         cached = CachedRequestData(
-            req_ids=req_ids,
-            new_block_ids=[new_block_ids.get(r) or [] for r in req_ids],
-            num_computed_tokens=[r.num_computed_tokens for r in running],
+            req_ids=list(map(_request_id, running)),
+            new_block_ids=budget.new_block_ids,
+            num_computed_tokens=list(map(_num_computed_tokens, running)),
         )
         get_block_ids = self.kv_cache_manager.get_block_ids
         new_reqs = [_new_request_data(r, get_block_ids(r.request_id)) for r in waiting]
@@ -345,11 +359,10 @@ class _Budget:
         # Blocks appended to a request's table this step (at most one allocation each).
         self.new_block_ids: dict[str, list[int]] = {}
 
-    def take_many(self, requests: list[Request], num_tokens: list[int]) -> None:
+    def take_many(self, requests: list[Request], req_ids: list[str], num_tokens: list[int]) -> None:
         self.tokens -= sum(num_tokens)
-        ids = [r.request_id for r in requests]
-        self.scheduled.update(zip(ids, num_tokens))
-        self.requests.update(zip(ids, requests))
+        self.scheduled.update(zip(req_ids, num_tokens))
+        self.requests.update(zip(req_ids, requests))
 
     def take(self, request: Request, num_tokens: int) -> None:
         self.tokens -= num_tokens

@@ -32,8 +32,8 @@ class CachedRequestData:
     """Progress of requests the runner already holds, in parallel lists."""
 
     req_ids: list[str] = field(default_factory=list)
-    # Blocks appended to each request's table this step.
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    # Blocks appended to a request's table this step, for just the requests that got some.
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     # Tokens in the cache before this step.
     num_computed_tokens: list[int] = field(default_factory=list)
 

@@ -8,6 +8,7 @@ the whole table.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice, repeat
 
 import numpy as np
 
@@ -52,10 +53,9 @@ class KVCacheManager:
 
     def num_slots(self, request_ids: list[str]) -> np.ndarray:
         """(len(request_ids),) int64: tokens each request's blocks can hold."""
-        blocks = self.req_to_blocks
-        counts = np.fromiter((len(blocks.get(r, ())) for r in request_ids), np.int64,
-                             len(request_ids))
-        return counts * self.block_size
+        num = len(request_ids)
+        tables = map(self.req_to_blocks.get, request_ids, repeat((), num))
+        return np.fromiter(map(len, tables), np.int64, num) * self.block_size
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Indexes the request's blocks that are full once it has `num_tokens` computed."""
@@ -127,6 +127,29 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_tokens_after)
         return new_blocks
+
+    def allocate_running_slots(
+        self, requests: list[Request], num_tokens: list[int]
+    ) -> list[list[int]] | None:
+        """Grows running requests' tables to hold `num_tokens[i]` tokens each, all at once.
+
+        The step path's allocation: no prefix-cache hits are involved and every request
+        already holds blocks. Returns each request's new block ids, or None, with nothing
+        allocated, when the pool cannot serve them all.
+        """
+        block_size, tables = self.block_size, self.req_to_blocks
+        counts = [
+            -(-n // block_size) - len(tables[r.request_id]) for r, n in zip(requests, num_tokens)
+        ]
+        if sum(counts) > self.num_free_blocks:
+            return None
+        new_blocks = iter(self.block_pool.get_new_blocks(sum(counts)))
+        new_block_ids = []
+        for request, count in zip(requests, counts):
+            blocks = list(islice(new_blocks, count))
+            tables[request.request_id].extend(blocks)
+            new_block_ids.append([b.block_id for b in blocks])
+        return new_block_ids
 
     def _cache_full_blocks(
         self, request: Request, blocks: list[KVCacheBlock], num_tokens: int

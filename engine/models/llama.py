@@ -262,8 +262,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: (n, hidden_size) -> float32 logits (n, vocab_size)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden_states, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden_states).float()
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kvferry.engine.attention.backend import AttentionBackend
-from kvferry.engine.layers.linear import Linear
+from kvferry.engine.layers.linear import Linear, prepack_linear_weights
 from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.models.registry import get_model_class
 
@@ -153,4 +153,5 @@ def load_model(
     with torch.device(device):
         model = model_class(config, attn_backend, dtype)
     load_weights(model, model_dir)
+    prepack_linear_weights(model)
     return model.eval()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
@@ -12,13 +13,20 @@ from kvferry.engine.attention import AttentionMetadata, KVCacheView, get_attenti
 from kvferry.engine.config import CacheConfig
 from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.models.loader import load_model
+from kvferry.engine.runner.cpu_malloc import keep_activation_memory
 from kvferry.engine.runner.input_batch import CachedRequestState, InputBatch
 from kvferry.engine.runner.prepare_inputs import InputBuffers, PreparedInputs, prepare_inputs
 from kvferry.engine.sample.metadata import SamplingMetadata
 from kvferry.engine.sample.sampler import Sampler, SamplerOutput
-from kvferry.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kvferry.engine.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 
 logger = logging.getLogger(__name__)
+
+_req_id = attrgetter("req_id")
 
 # Default KV cache budget on CPU when none is configured.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -71,6 +79,8 @@ class ModelRunner:
         self.arch = arch
         self.device = device
         self.block_size = cache.block_size
+        if device.type == "cpu":
+            keep_activation_memory()
         self.attn_backend = get_attention_backend(attention_backend)
         self.model = load_model(model_dir, dtype, self.attn_backend, device)
         self.kv_cache, self.kv_caches = self._allocate_kv_cache(num_blocks, dtype)
@@ -134,8 +144,8 @@ class ModelRunner:
         for req_id in gone:
             self.requests.pop(req_id, None)
         # Rows not scheduled this step leave the batch (their state is kept).
-        unscheduled = [r for r in batch.active_req_ids if r not in so.num_scheduled_tokens]
-        batch.remove_requests(gone | set(unscheduled))
+        unscheduled = set(batch.active_req_ids).difference(so.num_scheduled_tokens)
+        batch.remove_requests(gone | unscheduled)
         for new in so.scheduled_new_reqs:
             state = CachedRequestState(
                 req_id=new.req_id,
@@ -149,17 +159,25 @@ class ModelRunner:
             self.requests[new.req_id] = state
             batch.add_request(state)
         cached = so.scheduled_cached_reqs
-        index = batch.req_id_to_index
-        rows = [index.get(req_id, -1) for req_id in cached.req_ids]
-        for i, (row, new_block_ids) in enumerate(zip(rows, cached.new_block_ids)):
-            if row < 0:  # back in the batch after a step without tokens
-                state = self.requests[cached.req_ids[i]]
-                state.block_ids.extend(new_block_ids)
-                state.num_computed_tokens = cached.num_computed_tokens[i]
-                rows[i] = batch.add_request(state)
-            elif new_block_ids:
-                batch.append_block_ids(row, new_block_ids)
+        rows = list(map(batch.req_id_to_index.get, cached.req_ids))
+        # New blocks of rows already in the batch; a re-added row gets its whole table.
+        appended = cached.new_block_ids
+        if None in rows:  # back in the batch after a step without tokens
+            appended = dict(appended)
+            for i, row in enumerate(rows):
+                if row is None:
+                    rows[i] = self._readd_request(cached.req_ids[i], cached, i)
+                    appended.pop(cached.req_ids[i], None)
+        for req_id, new_block_ids in appended.items():
+            batch.append_block_ids(batch.req_id_to_index[req_id], new_block_ids)
         batch.num_computed_tokens[rows] = cached.num_computed_tokens
+
+    def _readd_request(self, req_id: str, cached: CachedRequestData, i: int) -> int:
+        """Rebuilds the row of a known request that sat out the previous step."""
+        state = self.requests[req_id]
+        state.block_ids.extend(cached.new_block_ids.get(req_id, ()))
+        state.num_computed_tokens = cached.num_computed_tokens[i]
+        return self.input_batch.add_request(state)
 
     def _generator_for(self, req_id: str, seed: int | None) -> torch.Generator | None:
         # A request resumed after preemption keeps its generator, so its samples do not
@@ -214,11 +232,11 @@ class ModelRunner:
         """Writes each sampled token into its row: it is that request's next input."""
         batch = self.input_batch
         token_ids = output.sampled_token_ids.tolist()
-        states = [batch.states[row] for row in rows]
+        states = list(map(batch.states.__getitem__, rows))
         for state, token_id in zip(states, token_ids):
             state.output_token_ids.append(token_id)
         batch.append_tokens(np.asarray(rows), output.sampled_token_ids.cpu().numpy())
-        req_ids = [state.req_id for state in states]
+        req_ids = list(map(_req_id, states))
         return ModelRunnerOutput(req_ids, token_ids, self._logprobs_lists(rows, output))
 
     def _logprobs_lists(

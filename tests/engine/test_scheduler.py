@@ -58,7 +58,8 @@ def new_reqs(output: SchedulerOutput) -> list[tuple[str, list[int], list[int], i
 def cached_reqs(output: SchedulerOutput) -> list[tuple[str, list[int], int]]:
     """(req_id, new_block_ids, num_computed_tokens) of each request the runner holds."""
     cached = output.scheduled_cached_reqs
-    return list(zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens))
+    new_block_ids = [cached.new_block_ids.get(r, []) for r in cached.req_ids]
+    return list(zip(cached.req_ids, new_block_ids, cached.num_computed_tokens))
 
 
 def sample(

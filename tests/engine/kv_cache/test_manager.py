@@ -267,3 +267,29 @@ def test_usage_and_reset_prefix_cache() -> None:
     assert manager.usage == 0.0
     assert manager.reset_prefix_cache() is True
     assert manager.get_computed_blocks(make_request("b", 9)) == ([], 0)
+
+
+def test_allocate_running_slots_grows_each_table() -> None:
+    manager = make_manager()
+    a, b = make_request("a", 4), make_request("b", 6, start=200)
+    schedule_prompt(manager, a)
+    schedule_prompt(manager, b)
+    assert (manager.get_block_ids("a"), manager.get_block_ids("b")) == ([1], [2, 3])
+    assert manager.num_slots(["a", "b", "unknown"]).tolist() == [4, 8, 0]
+    # a's fifth token opens a block; b jumps to 13 tokens, two more blocks.
+    assert manager.allocate_running_slots([a, b], [5, 13]) == [[4], [5, 6]]
+    assert (manager.get_block_ids("a"), manager.get_block_ids("b")) == ([1, 4], [2, 3, 5, 6])
+    assert manager.num_free_blocks == 3
+
+
+def test_allocate_running_slots_is_all_or_nothing() -> None:
+    manager = make_manager(num_blocks=5)
+    a, b = make_request("a", 4), make_request("b", 4, start=200)
+    schedule_prompt(manager, a)
+    schedule_prompt(manager, b)
+    # Two free blocks, three wanted: nobody gets any.
+    assert manager.allocate_running_slots([a, b], [5, 9]) is None
+    assert (manager.get_block_ids("a"), manager.get_block_ids("b")) == ([1], [2])
+    assert manager.num_free_blocks == 2
+    assert manager.allocate_running_slots([a, b], [5, 5]) == [[3], [4]]
+    assert manager.num_free_blocks == 0

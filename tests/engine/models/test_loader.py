@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from kvferry.engine.attention.torch_backend import TorchAttentionBackend
+from kvferry.engine.layers.linear import Linear
 from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.models.loader import load_model, resolve_dtype
 
@@ -157,3 +159,33 @@ def test_resolve_dtype(make_checkpoint):
     assert resolve_dtype("float32", arch) == torch.float32
     with pytest.raises(ValueError, match="unsupported dtype 'int8'; supported: auto, float32"):
         resolve_dtype("int8", arch)
+
+
+def _linears(model: torch.nn.Module) -> list[Linear]:
+    return [m for m in model.modules() if isinstance(m, Linear)]
+
+
+def test_float32_cpu_weights_are_prepacked(make_checkpoint):
+    model = _load(make_checkpoint())
+    linears = _linears(model)
+    # qkv, o, gate_up and down per layer, plus the untied lm_head.
+    assert len(linears) == 4 * model.config.num_layers + 1
+    assert all(m._packed_weight is not None for m in linears)
+    for m in linears:
+        x = torch.randn(5, m.input_size)
+        # The packed GEMM is the same product as the plain one (up to summation order).
+        torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_linear_serves_any_number_of_rows(make_checkpoint):
+    qkv = _load(make_checkpoint("Qwen2ForCausalLM")).model.layers[0].self_attn.qkv_proj
+    assert qkv._packed_weight is not None and qkv.bias is not None
+    for rows in (0, 1, 3, 64, 65, 300):
+        x = torch.randn(rows, qkv.input_size)
+        expected = F.linear(x, qkv.weight, qkv.bias)
+        torch.testing.assert_close(qkv(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_weights_are_not_prepacked(make_checkpoint):
+    model = _load(make_checkpoint(), torch.bfloat16)
+    assert all(m._packed_weight is None for m in _linears(model))
