@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kvferry.engine.attention.backend import AttentionBackend, AttentionMetadata, KVCacheView
+from kvferry.engine.attention.cpu_kernels import paged_decode_kernel
 
 # Decodes are grouped by length so each group pads only to its own longest sequence;
 # groups of fewer rows than this are not worth another call.
@@ -115,8 +116,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, use_native_kernels: bool = True) -> None:
         self._workspace = _Workspace()
+        # The native float32 CPU decode kernel (None: the plain torch path everywhere).
+        self._decode_kernel = paged_decode_kernel() if use_native_kernels else None
 
     def forward(
         self,
@@ -129,14 +132,53 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
         write_kv_to_cache(key[:num_tokens], value[:num_tokens], kv_cache, metadata.slot_mapping)
-        output = torch.empty_like(query)
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         query_lens = metadata.query_lens_np
         is_decode = query_lens == 1 if metadata.causal else np.zeros_like(query_lens, dtype=bool)
-        for rows in _length_buckets(np.flatnonzero(is_decode), metadata.seq_lens_np):
-            self._decode(query, kv_cache, metadata, rows, scale, output)
+        decode_rows = np.flatnonzero(is_decode)
+        if decode_rows.size and self._native_decode(query, kv_cache):
+            self._decode_native(query, kv_cache, metadata, decode_rows, scale, output)
+        else:
+            for rows in _length_buckets(decode_rows, metadata.seq_lens_np):
+                self._decode(query, kv_cache, metadata, rows, scale, output)
         for row in np.flatnonzero(~is_decode).tolist():
             self._prefill(query, key, value, kv_cache, metadata, row, scale, output)
         return output
+
+    def _native_decode(self, query: torch.Tensor, kv_cache: KVCacheView) -> bool:
+        return (
+            self._decode_kernel is not None
+            and query.device.type == "cpu"
+            and query.dtype == kv_cache[0].dtype == torch.float32
+        )
+
+    def _decode_native(
+        self,
+        query: torch.Tensor,
+        kv_cache: KVCacheView,
+        metadata: AttentionMetadata,
+        rows: np.ndarray,
+        scale: float,
+        output: torch.Tensor,
+    ) -> None:
+        """All decodes in one call of the native kernel, reading the cache in place."""
+        assert self._decode_kernel is not None
+        seq_lens = np.ascontiguousarray(metadata.seq_lens_np[rows], dtype=np.int32)
+        block_table = metadata.block_table
+        if block_table.stride(-1) != 1:
+            block_table = block_table.contiguous()
+        self._decode_kernel(
+            query.contiguous(),
+            kv_cache[0],
+            kv_cache[1],
+            block_table,
+            torch.from_numpy(rows.astype(np.int64, copy=False)),
+            torch.from_numpy(metadata.query_start_loc_np[rows].astype(np.int64)),
+            torch.from_numpy(seq_lens),
+            int(seq_lens.max()),
+            scale,
+            output,
+        )
 
     def _decode(
         self,

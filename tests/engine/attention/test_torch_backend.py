@@ -26,7 +26,7 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
 
 
 def _run_case(query_lens: list[int], context_lens: list[int], num_heads: int, num_kv_heads: int,
-              causal: bool = True, seed: int = 0) -> None:
+              causal: bool = True, seed: int = 0, native: bool = True) -> None:
     gen = torch.Generator().manual_seed(seed)
     head_size = 8
     cache = torch.zeros(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, num_kv_heads, head_size)
@@ -61,7 +61,9 @@ def _run_case(query_lens: list[int], context_lens: list[int], num_heads: int, nu
         seq_lens_np=seq_np, causal=causal,
     )
     scale = head_size**-0.5
-    output = TorchAttentionBackend().forward(query, key, value, kv_cache, metadata, scale)
+    backend = TorchAttentionBackend(use_native_kernels=native)
+    assert (backend._decode_kernel is not None) == native
+    output = backend.forward(query, key, value, kv_cache, metadata, scale)
     for row, (start, end) in enumerate(zip(qsl[:-1], qsl[1:])):
         expected = _reference(query[start:end], full_keys[row], full_values[row], scale, causal)
         torch.testing.assert_close(output[start:end], expected, atol=1e-5, rtol=1e-5)
@@ -74,19 +76,33 @@ def _run_case(query_lens: list[int], context_lens: list[int], num_heads: int, nu
     assert cache[:, 0].abs().sum() == 0
 
 
+# Decodes run in the native kernel where it builds (CI has a compiler) or in plain torch.
+NATIVE = pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+
+
+@NATIVE
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2), (8, 1)])
-def test_mixed_batch_of_decodes_prefills_and_chunked_prefills(num_heads, num_kv_heads) -> None:
+def test_mixed_batch_of_decodes_prefills_and_chunked_prefills(
+    num_heads, num_kv_heads, native
+) -> None:
     # 20 decodes of varied lengths (several length groups), two fresh prefills, two chunks
     # on top of a cached prefix.
     rng = np.random.default_rng(1)
     decode_ctx = rng.integers(1, 60, size=20).tolist()
     query_lens = [1] * 20 + [7, 13, 5, 9]
     context_lens = decode_ctx + [0, 0, 13, 22]
-    _run_case(query_lens, context_lens, num_heads, num_kv_heads)
+    _run_case(query_lens, context_lens, num_heads, num_kv_heads, native=native)
 
 
-def test_single_token_prompt_is_a_prefill_of_length_one() -> None:
-    _run_case([1, 1, 3], [0, 5, 0], num_heads=4, num_kv_heads=2)
+@NATIVE
+def test_decodes_only_with_long_and_single_token_contexts(native) -> None:
+    # A decode whose whole sequence is its one new token, and contexts many blocks long.
+    _run_case([1] * 5, [0, 1, 3, 150, 97], num_heads=8, num_kv_heads=2, native=native)
+
+
+@NATIVE
+def test_single_token_prompt_is_a_prefill_of_length_one(native) -> None:
+    _run_case([1, 1, 3], [0, 5, 0], num_heads=4, num_kv_heads=2, native=native)
 
 
 def test_non_causal_attention_sees_every_key() -> None:
