@@ -10,6 +10,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HF_HOME=/cache
 
+# A C compiler for the native CPU decode-attention kernel, built on first use (without
+# one the engine falls back to plain torch on CPU).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+ENV KVFERRY_CACHE=/cache/kvferry
+
 WORKDIR /opt/kvferry
 # Dependencies first, so source edits do not re-download torch.
 COPY pyproject.toml setup.py ./
