@@ -25,6 +25,10 @@ class NewRequestData:
     block_ids: list[int]
     # Tokens already in the cache (prefix-cache hits) before this step.
     num_computed_tokens: int
+    # Back after preemption: the runner keeps per-request state it holds (the seeded
+    # generator continues). A request that is not resumed always starts fresh, even if an
+    # earlier request had the same id.
+    is_resumed: bool = False
 
 
 @dataclass
