@@ -269,9 +269,13 @@ class Scheduler:
 
     def _next_block_in_flight(self, request: Request, num_hit_blocks: int, budget: _Budget) -> bool:
         """Whether another request computes, this step, the first block `request` missed."""
+        manager = self.kv_cache_manager
+        # A hit never covers the last token (see KVCacheManager.get_computed_blocks).
+        if not manager.enable_caching or (
+            num_hit_blocks >= (request.num_tokens - 1) // manager.block_size
+        ):
+            return False
         block_hashes = request.block_hashes
-        if num_hit_blocks >= len(block_hashes):
-            return False  # its next block is not full: nobody else can be computing it
         if budget.in_flight_hashes is None:
             budget.in_flight_hashes = self._hashes_in_flight(budget)
         return block_hashes[num_hit_blocks] in budget.in_flight_hashes
