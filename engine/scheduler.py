@@ -161,6 +161,10 @@ class Scheduler:
             if new_block_ids is None:
                 return None
             budget.new_block_ids.update(zip(map(_request_id, growing), new_block_ids))
+        if manager.enable_caching:
+            block_size = manager.block_size
+            filling = np.flatnonzero(ends // block_size > computed // block_size)
+            budget.filling.update((running[i].request_id, running[i]) for i in filling.tolist())
         rows = np.flatnonzero(num_new)
         if rows.size == num:
             # A copy: admitting waiting requests appends to self.running.
@@ -197,8 +201,15 @@ class Scheduler:
             if new_blocks:
                 budget.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
             budget.take(request, num_new)
+            self._note_filling(request, request.num_computed_tokens, num_new, budget)
             scheduled.append(request)
         return scheduled, preempted
+
+    def _note_filling(self, request: Request, num_computed: int, num_new: int, budget: _Budget) -> None:
+        """Remembers a request whose tokens this step complete a block (indexed after it)."""
+        block_size = self.kv_cache_manager.block_size
+        if (num_computed + num_new) // block_size > num_computed // block_size:
+            budget.filling[request.request_id] = request
 
     def _preempt_until_fits(
         self, request: Request, num_new: int, budget: _Budget, preempted: list[Request]
@@ -261,6 +272,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             budget.take(request, num_new)
+            self._note_filling(request, num_hit_tokens, num_new, budget)
             if budget.in_flight_hashes is not None:
                 end = (num_hit_tokens + num_new) // self.kv_cache_manager.block_size
                 budget.in_flight_hashes.update(request.block_hashes[len(hits) : end])
@@ -319,6 +331,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
             blocked_stop_token_ids=self._blocked_stop_tokens(budget.scheduled),
+            filling_req_ids=list(budget.filling) if self.kv_cache_manager.enable_caching else [],
         )
         self.finished_req_ids = set()
         return output
@@ -352,10 +365,7 @@ class Scheduler:
         outputs = []
         stopped = False
         requests, running = self.requests, RequestStatus.RUNNING
-        logprobs = runner_output.logprobs
-        for i, (req_id, token_id) in enumerate(
-            zip(runner_output.req_ids, runner_output.sampled_token_ids)
-        ):
+        for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = requests.get(req_id)
             if request is None or request.status is not running:
                 continue  # aborted while the step ran
@@ -363,8 +373,7 @@ class Scheduler:
             output_ids.append(token_id)
             request.all_token_ids.append(token_id)
             output = EngineCoreOutput(req_id, [token_id])
-            if logprobs is not None and logprobs[i]:
-                output.new_logprobs = [logprobs[i]]
+            outputs.append(output)
             if len(output_ids) == 1:
                 output.num_cached_tokens = max(request.num_cached_tokens, 0)
             # Most tokens neither stop nor reach a length cap: one set test, one compare.
@@ -376,26 +385,23 @@ class Scheduler:
                     output.stop_reason = request.stop_reason
                     self._free_request(request)
                     stopped = True
-            outputs.append(output)
         if stopped:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        if runner_output.logprobs is not None:
+            by_req = dict(zip(runner_output.req_ids, runner_output.logprobs))
+            for output in outputs:
+                if by_req[output.req_id]:
+                    output.new_logprobs = [by_req[output.req_id]]
         return outputs
 
     def _cache_computed_blocks(self, scheduler_output: SchedulerOutput) -> None:
         """Indexes the blocks whose KV the step finished writing (the one place that does)."""
-        manager = self.kv_cache_manager
-        if not manager.enable_caching:
-            return
         requests, running = self.requests, RequestStatus.RUNNING
-        block_size = manager.block_size
-        num_cached_blocks = manager.num_cached_blocks
-        for req_id in scheduler_output.num_scheduled_tokens:
+        for req_id in scheduler_output.filling_req_ids:
             request = requests.get(req_id)
             # A request preempted or finished since it was scheduled has no blocks left.
-            if request is None or request.status is not running:
-                continue
-            if request.num_computed_tokens // block_size > num_cached_blocks.get(req_id, 0):
-                manager.cache_full_blocks(request, request.num_computed_tokens)
+            if request is not None and request.status is running:
+                self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -447,6 +453,8 @@ class _Budget:
         self.new_block_ids: dict[str, list[int]] = {}
         # Hashes of the full blocks computed this step; built when first needed.
         self.in_flight_hashes: set[bytes] | None = None
+        # Requests whose tokens this step complete at least one block.
+        self.filling: dict[str, Request] = {}
 
     def take_many(self, requests: list[Request], req_ids: list[str], num_tokens: list[int]) -> None:
         self.tokens -= sum(num_tokens)
@@ -462,3 +470,4 @@ class _Budget:
         self.tokens += self.scheduled.pop(request.request_id, 0)
         self.requests.pop(request.request_id, None)
         self.new_block_ids.pop(request.request_id, None)
+        self.filling.pop(request.request_id, None)

@@ -57,6 +57,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
     # Stop tokens each request must not sample yet (min_tokens not reached): req_id -> ids.
     blocked_stop_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Requests whose tokens complete at least one KV block this step; the scheduler indexes
+    # those blocks in the prefix cache once the step has run (the runner ignores this).
+    filling_req_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
