@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import collections
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,16 +23,19 @@ from typing import Any
 import kmock
 
 from kvferry.operator import KIND
-from kvferry.operator.emulator import (
+from kvferry.operator.kube import RESOURCES
+from kvferry.operator.render import render_children
+from kvferry.operator.spec import parse_spec
+
+# The API emulator wrapper is test tooling that lives with the end-to-end tests.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+from kube_emulator import (  # noqa: E402
     OperatorProcess,
     emulated_cluster,
     new_service,
     wait_for,
     write_kubeconfig,
 )
-from kvferry.operator.kube import RESOURCES
-from kvferry.operator.render import render_children
-from kvferry.operator.spec import parse_spec
 
 SPEC = {"model": {"source": "demo"},
         "pools": {"prefill": {}, "decode": {"autoscaling": {"maxReplicas": 4}}}}

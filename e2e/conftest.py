@@ -8,9 +8,14 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+import sys
+
 import pytest
 
-from kvferry.operator.emulator import OperatorProcess, emulated_cluster, write_kubeconfig
+# The emulator wrapper is test tooling beside these tests, not part of the operator package.
+sys.path.insert(0, str(Path(__file__).parent))
+
+from kube_emulator import OperatorProcess, emulated_cluster, write_kubeconfig  # noqa: E402
 
 TEST_TIMEOUT_SECONDS = 60
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvferry.operator.emulator import new_service, wait_for
+from kube_emulator import new_service, wait_for
 from kvferry.operator.kube import ApiError, object_path
 from kvferry.operator.render import render_children
 from kvferry.operator.spec import parse_spec
