@@ -26,10 +26,10 @@ def minimal(**overrides: Any) -> dict[str, Any]:
     return {"model": {"source": "demo"}, "pools": {"decode": {}}, **overrides}
 
 
-def _pool(rng: random.Random) -> dict[str, Any]:
+def _pool(rng: random.Random, gpus_per_replica: int) -> dict[str, Any]:
     pool: dict[str, Any] = {"replicas": rng.randint(0, 8)}
     if rng.random() < 0.6:
-        gpus = rng.choice([1, 2, 4, 8])
+        gpus = gpus_per_replica * rng.choice([1, 2])
         pool["resources"] = {"requests": {"cpu": rng.choice(["500m", "2", 4]), "memory": "8Gi"},
                              "limits": {"nvidia.com/gpu": gpus, "memory": "16Gi"}}
     if rng.random() < 0.4:
@@ -52,12 +52,13 @@ def random_spec(rng: random.Random) -> dict[str, Any]:
     """A random spec that the CRD accepts, touching every optional part with some probability."""
     enc_dec = rng.random() < 0.3
     source = rng.choice(["demo", "hf://org/model-1b", "pvc://weights/llama/8b", "hostpath:///mnt/models/x"])
+    tensor_parallel = rng.choice([1, 2, 4])
     spec: dict[str, Any] = {
         "model": {"source": source, "type": "encoder-decoder" if enc_dec else "decoder-only",
                   "dtype": rng.choice(["auto", "float16", "bfloat16", "float32"])},
-        "pools": {"decode": _pool(rng)},
+        "pools": {"decode": _pool(rng, tensor_parallel)},
         "engine": {"blockSize": rng.choice([8, 16, 32]), "enablePrefixCaching": rng.random() < 0.5,
-                   "enablePromptEmbeds": rng.random() < 0.3, "tensorParallelSize": rng.choice([1, 2, 4]),
+                   "enablePromptEmbeds": rng.random() < 0.3, "tensorParallelSize": tensor_parallel,
                    "extraArgs": ["--seed", str(rng.randint(0, 9))]},
     }
     if rng.random() < 0.5:
@@ -66,9 +67,9 @@ def random_spec(rng: random.Random) -> dict[str, Any]:
         spec["engine"]["maxNumBatchedTokens"] = rng.choice([2048, 8192])
         spec["engine"]["imagePullSecrets"] = ["regcred"]
     if rng.random() < 0.6:
-        spec["pools"]["prefill"] = _pool(rng)
+        spec["pools"]["prefill"] = _pool(rng, tensor_parallel)
     if enc_dec and rng.random() < 0.7:
-        spec["pools"]["encoder"] = _pool(rng)
+        spec["pools"]["encoder"] = _pool(rng, tensor_parallel)
     if rng.random() < 0.5:
         spec["router"] = {"replicas": rng.randint(1, 3), "apiKeySecret": {"name": "keys"}}
     if rng.random() < 0.5:

@@ -90,7 +90,33 @@ CEL_INVALID = [
     (_with("ingress", {"tls": {"secretName": "t"}}), "spec.ingress.tls: spec.ingress.tls needs spec.ingress.host"),
     (_with("router", {"routing": {"prefill": "prefix-aware"}}), "there is no spec.pools.prefill"),
     (_with("router", {"routing": {"encoder": "round-robin"}}), "there is no spec.pools.encoder"),
+    ({**_with("engine", {"tensorParallelSize": 2, "pipelineParallelSize": 2}),
+      "pools": {"decode": {"resources": {"limits": {"nvidia.com/gpu": 2}}}}},
+     "spec.pools.decode.resources: nvidia.com/gpu must be at least engine.tensorParallelSize x "
+     "engine.pipelineParallelSize"),
+    ({**_with("engine", {"tensorParallelSize": 4}),
+      "pools": {"decode": {}, "prefill": {"resources": {"requests": {"nvidia.com/gpu": "2"}}}}},
+     "spec.pools.prefill.resources: nvidia.com/gpu must be at least"),
+    (_with("model.source", "hostpath:///"), "spec.model.source: hostpath:/// needs a normalized absolute path"),
+    (_with("model.source", "hostpath:///mnt/../"), "spec.model.source: hostpath:/// needs"),
+    (_with("model.source", "hostpath:////"), "spec.model.source: hostpath:/// needs"),
+    (_with("model.source", "hostpath:///mnt//models"), "spec.model.source: hostpath:/// needs"),
+    (_with("pools.decode", {"strategy": {"type": "Recreate", "maxSurge": 1}}),
+     "maxSurge and strategy.maxUnavailable apply to RollingUpdate only"),
+    (_with("pools.decode", {"strategy": {"maxUnavailable": 0}}),
+     "spec.pools.decode.strategy.maxUnavailable: strategy.maxUnavailable 0 needs a maxSurge above 0"),
 ]
+
+
+@pytest.mark.parametrize("spec", [
+    {**_with("engine", {"tensorParallelSize": 2, "pipelineParallelSize": 2}),
+     "pools": {"decode": {"resources": {"limits": {"nvidia.com/gpu": 4}, "requests": {"nvidia.com/gpu": "4"}}}}},
+    _with("pools.decode", {"resources": {"limits": {"cpu": "1", "memory": "1Gi"}}}),
+    _with("model.source", "hostpath:///mnt/models/llama-3.1.8b"),
+    _with("pools.decode", {"strategy": {"maxUnavailable": 0, "maxSurge": "25%"}}),
+], ids=["gpus-cover-tp-x-pp", "no-gpus", "hostpath-normalized", "surge-instead-of-unavailable"])
+def test_cel_rules_admit(spec: dict[str, Any]) -> None:
+    assert admit(service(spec))[1] == []
 
 
 @pytest.mark.parametrize(("spec", "fragment"), INVALID)
