@@ -38,8 +38,8 @@ def cluster(tmp_path: Path) -> Callable[[], contextlib.AbstractAsyncContextManag
         async with emulated_cluster() as (k, client):
             kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", str(k.url))
 
-            def start_operator() -> OperatorProcess:
-                return OperatorProcess(kubeconfig, tmp_path / "operator.log")
+            def start_operator(*extra_args: str) -> OperatorProcess:
+                return OperatorProcess(kubeconfig, tmp_path / "operator.log", *extra_args)
 
             try:
                 yield k, client, start_operator

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvferry.operator.reconcile import is_subset
+from kvferry.operator.children import is_subset
 from kvferry.operator.status import Problem, build_status, component_state, status_patch
 
 NOW, LATER = "2030-01-01T00:00:00Z", "2030-01-01T00:05:00Z"
