@@ -89,17 +89,21 @@ def _is_own_write(memo: kopf.Memo, kind: str, type: str | None, body: kopf.Body)
     return memo.own_versions.get(key) == body.metadata.get("resourceVersion")
 
 
-async def _reconcile_locked(memo: kopf.Memo, body: dict[str, Any], logger: Any) -> None:
-    namespace = body["metadata"].get("namespace")
-    lock = memo.locks.setdefault((namespace, body["metadata"]["name"]), asyncio.Lock())
-    async with lock:
-        try:
-            outcome = await reconcile(memo.client, body, memo.policy)
-        except SpecError as exc:
-            raise kopf.PermanentError(str(exc)) from exc
-        except (ApiError, aiohttp.ClientError) as exc:
-            raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_SECONDS) from exc
-        _remember_own_writes(memo, namespace, outcome)
+def _lock(memo: kopf.Memo, namespace: str, name: str) -> asyncio.Lock:
+    """One reconcile at a time per service, whatever triggered it."""
+    lock: asyncio.Lock = memo.locks.setdefault((namespace, name), asyncio.Lock())
+    return lock
+
+
+async def _reconcile(memo: kopf.Memo, body: dict[str, Any], logger: Any) -> None:
+    """Run one reconcile (the caller holds the service's lock) and log what it did."""
+    try:
+        outcome = await reconcile(memo.client, body, memo.policy)
+    except SpecError as exc:
+        raise kopf.PermanentError(str(exc)) from exc
+    except (ApiError, aiohttp.ClientError) as exc:
+        raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_SECONDS) from exc
+    _remember_own_writes(memo, body["metadata"].get("namespace"), outcome)
     for verb, what in (("created", outcome.created), ("applied", outcome.applied),
                        ("deleted", outcome.deleted)):
         if what:
@@ -110,7 +114,8 @@ async def _reconcile_locked(memo: kopf.Memo, body: dict[str, Any], logger: Any) 
 
 async def on_service(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     """InferenceService created, changed, or found at startup: reconcile it."""
-    await _reconcile_locked(memo, dict(body), logger)
+    async with _lock(memo, body.metadata.namespace, body.metadata.name):
+        await _reconcile(memo, dict(body), logger)
 
 
 async def on_child(type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger,
@@ -119,15 +124,19 @@ async def on_child(type: str | None, body: kopf.Body, memo: kopf.Memo, logger: k
     owner_name = body.metadata.labels.get(SERVICE_LABEL)
     if type not in ("MODIFIED", "DELETED") or not owner_name:
         return  # initial listings are covered by the owners' resume
-    if _is_own_write(memo, resource.kind or "", type, body):
-        return
-    owner = await memo.client.get("InferenceService", body.metadata.namespace, owner_name)
-    if owner is None or owner["metadata"].get("deletionTimestamp"):
-        return  # the owner is going away; garbage collection takes the children
-    try:
-        await _reconcile_locked(memo, owner, logger)
-    except (kopf.PermanentError, kopf.TemporaryError) as exc:
-        logger.warning("reconcile of %s after a child event failed: %s", owner_name, exc)
+    namespace = body.metadata.namespace
+    async with _lock(memo, namespace, owner_name):
+        # Checked under the lock: a reconcile that has just finished may have made this write.
+        # The owner is read under the lock too, so it carries that reconcile's status.
+        if _is_own_write(memo, resource.kind or "", type, body):
+            return
+        try:
+            owner = await memo.client.get("InferenceService", namespace, owner_name)
+            if owner is None or owner["metadata"].get("deletionTimestamp"):
+                return  # the owner is going away; garbage collection takes the children
+            await _reconcile(memo, owner, logger)
+        except (kopf.PermanentError, kopf.TemporaryError, ApiError, aiohttp.ClientError) as exc:
+            logger.warning("reconcile of %s after a child event failed: %s", owner_name, exc)
 
 
 def build_registry(policy: Policy | None = None) -> kopf.OperatorRegistry:
