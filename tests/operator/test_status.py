@@ -81,3 +81,11 @@ def test_is_subset_ignores_server_fields_and_string_quantities() -> None:
     assert not is_subset({"spec": {"ports": [{"port": 8000}, {"port": 5600}]}}, live)
     assert not is_subset({"spec": {"enabled": True}}, {"spec": {"enabled": "True"}})
 
+
+
+def test_a_pool_scaled_to_zero_is_ready_at_zero_of_zero() -> None:
+    states = [component_state("prefill", deployment(0, 0)), component_state("decode", deployment(1, 1))]
+    status = build_status(states, [], "u", 1, None, NOW)
+    assert status["pools"]["prefill"] == {"replicas": 0, "readyReplicas": 0, "summary": "0/0"}
+    assert conditions(status)["Ready"] == ("True", "AllReplicasReady")
+    assert conditions(status)["Progressing"] == ("False", "Stable")
