@@ -26,6 +26,25 @@ def minimal(**overrides: Any) -> dict[str, Any]:
     return {"model": {"source": "demo"}, "pools": {"decode": {}}, **overrides}
 
 
+def pod_passthrough(rng: random.Random) -> dict[str, Any]:
+    """Pod-template passthrough fields, each present with some probability."""
+    fields: dict[str, Any] = {
+        "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+                {"name": "LOG_LEVEL", "value": "debug"}],
+        "envFrom": [{"secretRef": {"name": "extra-env"}}],
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["a100", "h100"]}]}]}}},
+        "priorityClassName": "inference-high",
+        "runtimeClassName": "nvidia",
+        "volumes": [{"name": "prompts", "configMap": {"name": "prompts"}}],
+        "volumeMounts": [{"name": "prompts", "mountPath": "/etc/prompts", "readOnly": True}],
+        "imagePullSecrets": ["mirror-creds"],
+        "podLabels": {"team": "ml"},
+        "podAnnotations": {"example.com/owner": "ml-platform"},
+    }
+    return {k: v for k, v in fields.items() if rng.random() < 0.5}
+
+
 def _pool(rng: random.Random, gpus_per_replica: int) -> dict[str, Any]:
     pool: dict[str, Any] = {"replicas": rng.randint(0, 8)}
     if rng.random() < 0.6:
@@ -45,6 +64,10 @@ def _pool(rng: random.Random, gpus_per_replica: int) -> dict[str, Any]:
             scaling["metrics"] = [{"name": "vllm:num_requests_running", "targetAverageValue": rng.randint(1, 64)},
                                   {"name": "vllm:kv_cache_usage_perc", "targetAverageValue": "750m"}]
         pool["autoscaling"] = scaling
+    if rng.random() < 0.5:
+        pool.update(pod_passthrough(rng))
+    if rng.random() < 0.3:
+        pool["strategy"] = rng.choice([{"type": "Recreate"}, {"maxSurge": "25%", "maxUnavailable": 0}])
     return pool
 
 
@@ -71,7 +94,12 @@ def random_spec(rng: random.Random) -> dict[str, Any]:
     if enc_dec and rng.random() < 0.7:
         spec["pools"]["encoder"] = _pool(rng, tensor_parallel)
     if rng.random() < 0.5:
-        spec["router"] = {"replicas": rng.randint(1, 3), "apiKeySecret": {"name": "keys"}}
+        spec["router"] = {"replicas": rng.randint(1, 3), "apiKeySecret": {"name": "keys"},
+                          **pod_passthrough(rng)}
+    if rng.random() < 0.3:
+        spec["model"]["cache"] = {"claimName": "hub-cache", "sizeLimit": rng.choice(["100Gi", "0.5Ti", 2**40])}
+        spec["engine"]["drainSeconds"] = rng.randint(0, 600)
+        spec["engine"]["shmSize"] = rng.choice(["1Gi", "4096Mi"])
     if rng.random() < 0.5:
         spec["ingress"] = {"host": "llm.example.com", "className": "nginx"}
         if rng.random() < 0.5:
