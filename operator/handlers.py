@@ -37,6 +37,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration")
+    # Warnings (a missing Secret, a refused hostPath) show in `kubectl describe` as Events.
+    settings.posting.loggers = True
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     # No watching of CRDs or namespaces: the operator's RBAC grants neither, and the
