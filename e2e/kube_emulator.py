@@ -254,12 +254,14 @@ class Sent:
     params: dict[str, str]
     content_type: str
     body: Any
+    user_agent: str = ""  # kopf's, or the operator's own client's
 
 
 def operator_requests(k: Emulator, since: int = 0) -> list[Sent]:
     """The requests after number `since` that did not come from the tests' own client."""
     return [
-        Sent(str(r.method.value).upper(), r.url.path, dict(r.params), r.headers.get("Content-Type", ""), r.data)
+        Sent(str(r.method.value).upper(), r.url.path, dict(r.params), r.headers.get("Content-Type", ""), r.data,
+             r.headers.get("User-Agent", ""))
         for r in k.served[since:] if r.headers.get("User-Agent") != TEST_USER_AGENT
     ]
 
