@@ -95,7 +95,8 @@ class KubeClient:
                 return None
             raise
 
-    async def list_by_labels(self, kind: str, namespace: str, label_selector: dict[str, str]) -> list[dict[str, Any]]:
+    async def list_by_labels(self, kind: str, namespace: str,
+                             label_selector: dict[str, str]) -> list[dict[str, Any]]:
         """Objects of one kind in a namespace with all the given labels.
 
         List items come without `apiVersion` and `kind`; they are filled in, so an item

@@ -146,7 +146,8 @@ async def _hand_replicas_to_hpa(client: KubeClient, namespace: str, live: dict[s
     # `replicas` the count stays (instead of dropping to the default of 1) until the HPA
     # writes it. A conflict means the HPA has written it already.
     try:
-        await client.apply(namespace, replicas_handover(live), field_manager=HANDOVER_MANAGER, force=False)
+        await client.apply(namespace, replicas_handover(live), field_manager=HANDOVER_MANAGER,
+                           force=False)
     except ApiError as exc:
         if exc.status != 409:
             raise

@@ -116,7 +116,8 @@ def cache_volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], lis
         {"name": "shm", "mountPath": "/dev/shm"},
     ]
     if spec.model.cache_claim:
-        volumes.append({"name": "hub-cache", "persistentVolumeClaim": {"claimName": spec.model.cache_claim}})
+        claim = {"claimName": spec.model.cache_claim}
+        volumes.append({"name": "hub-cache", "persistentVolumeClaim": claim})
         mounts.append({"name": "hub-cache", "mountPath": HUB_CACHE})
     return volumes, mounts
 

@@ -66,7 +66,8 @@ def render_router_deployment(spec: InferenceServiceSpec, ctx: PodContext) -> dic
     resources = resources_manifest(spec.router.resources)
     if resources:
         container["resources"] = resources
-    pod = {"securityContext": pod_security_context(RUN_AS_USER), "containers": [container], "volumes": volumes}
+    pod = {"securityContext": pod_security_context(RUN_AS_USER), "containers": [container],
+           "volumes": volumes}
     pod_labels = labels(spec.name, "router")
     annotations = {**scrape_annotations(), CONFIG_CHECKSUM_ANNOTATION: ctx.config_checksum}
     return {

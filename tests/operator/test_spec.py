@@ -146,3 +146,12 @@ def test_cel_rule_on_the_name_limits_child_names() -> None:
 def test_wrong_kind_is_rejected() -> None:
     with pytest.raises(SpecError, match="apiVersion/kind"):
         parse_spec({**service(minimal()), "kind": "Deployment"})
+
+
+def test_host_paths_names_every_hostpath_volume() -> None:
+    volume = {"name": "scratch", "hostPath": {"path": "/mnt/scratch"}}
+    spec = parse_spec(service(minimal(model={"source": "hostpath:///mnt/models/x"},
+                                      pools={"decode": {"volumes": [{"name": "a", "emptyDir": {}}, volume]}},
+                                      router={"volumes": [volume]})))
+    assert spec.host_paths() == ["spec.model.source", "spec.pools.decode.volumes[1]", "spec.router.volumes[0]"]
+    assert parse_spec(service(minimal())).host_paths() == []
