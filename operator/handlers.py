@@ -5,9 +5,10 @@ children (a Deployment's status, any child edited or deleted by hand) reconcile 
 so the status follows the pods and drift heals. Events caused by the operator's own writes
 are recognised by resourceVersion (or uid, for deletions) and skipped.
 
-The operator watches exactly the kinds in `WATCHED`, and kopf's cluster scanning (CRDs,
-namespaces) is off, so the operator needs list/watch on nothing else; the chart's RBAC
-grants exactly what these handlers and `reconcile` use.
+The operator watches InferenceServices and the kinds of children it lists
+(`children.LISTED_KINDS`), and kopf's cluster scanning (CRDs, namespaces) is off, so it
+needs list/watch on nothing else; the chart's RBAC grants exactly what these handlers and
+`reconcile` use (e2e/test_rbac.py derives it from the requests the operator sends).
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ from kvferry.operator.spec import SpecError, parse_spec
 
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
 RETRY_DELAY_SECONDS = 5.0
-WATCHED = ("InferenceService", *LISTED_KINDS)
-"""Kinds the operator watches (list + watch): its own resource and the children it lists."""
 
 
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
@@ -54,7 +53,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 
 def warm_up() -> None:
     """Compile the CRD's validator and CEL rules now, not on the first object's clock."""
-    parse_spec({"metadata": {"name": "warm-up"}, "spec": {"model": {"source": "demo"}, "pools": {"decode": {}}}})
+    parse_spec({"metadata": {"name": "warm-up"},
+                "spec": {"model": {"source": "demo"}, "pools": {"decode": {}}}})
 
 
 def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
