@@ -280,10 +280,19 @@ def _pod_overrides(p: dict[str, Any]) -> PodOverrides:
         affinity=dict(p.get("affinity", {})),
         priority_class_name=p.get("priorityClassName"),
         runtime_class_name=p.get("runtimeClassName"),
-        volumes=tuple(p.get("volumes", ())),
+        volumes=tuple(_canonical_volume(v) for v in p.get("volumes", ())),
         volume_mounts=tuple(p.get("volumeMounts", ())),
         image_pull_secrets=tuple(p.get("imagePullSecrets", ())),
     )
+
+
+def _canonical_volume(volume: dict[str, Any]) -> dict[str, Any]:
+    # The API server rewrites an emptyDir's sizeLimit in canonical form (8192Mi -> 8Gi);
+    # passing it through as written would make the pod template differ on every read.
+    empty_dir = volume.get("emptyDir")
+    if not isinstance(empty_dir, dict) or "sizeLimit" not in empty_dir:
+        return dict(volume)
+    return {**volume, "emptyDir": {**empty_dir, "sizeLimit": canonical_quantity(empty_dir["sizeLimit"])}}
 
 
 def _strategy(s: dict[str, Any]) -> RolloutStrategy:

@@ -155,3 +155,13 @@ def test_host_paths_names_every_hostpath_volume() -> None:
                                       router={"volumes": [volume]})))
     assert spec.host_paths() == ["spec.model.source", "spec.pools.decode.volumes[1]", "spec.router.volumes[0]"]
     assert parse_spec(service(minimal())).host_paths() == []
+
+
+def test_passed_through_quantities_are_canonical() -> None:
+    volumes = [{"name": "tmp", "emptyDir": {"sizeLimit": "8192Mi"}}, {"name": "c", "configMap": {"name": "c"}}]
+    spec = parse_spec(service(minimal(pools={"decode": {"volumes": volumes}},
+                                      model={"source": "demo", "cache": {"sizeLimit": "0.5Ti"}},
+                                      engine={"shmSize": 2**31})))
+    assert spec.pools["decode"].pod.volumes == ({"name": "tmp", "emptyDir": {"sizeLimit": "8Gi"}}, volumes[1])
+    # A plain integer is a decimal quantity: the API server never writes it in Gi.
+    assert (spec.model.cache_size_limit, spec.engine.shm_size) == ("512Gi", "2147483648")
