@@ -69,6 +69,8 @@ class LeaseReply(msgspec.Struct, frozen=True):
     # Per requested id: held (renew) or freed now (free).
     held: list[bool]
     lease_s: float
+    # The producer incarnation answering: another one than asked for means it restarted.
+    agent_name: str
 
 
 class SideChannelError(Exception):
@@ -111,7 +113,8 @@ class SideChannelServer:
             held = self.leases.renew(request.req_ids)
         else:
             held = [self.leases.end(r, HoldEnd.FREED) for r in request.req_ids]
-        return msgspec.msgpack.encode(LeaseReply(held=held, lease_s=self.leases.lease_s))
+        reply = LeaseReply(held=held, lease_s=self.leases.lease_s, agent_name=self.info.agent_name)
+        return msgspec.msgpack.encode(reply)
 
     @property
     def encoded_info(self) -> bytes:

@@ -66,6 +66,8 @@ class _Prepared:
     info: HandshakeInfo | None
     # The producer still holds the blocks (and renewed its lease).
     held: bool
+    # The producer incarnation that answered.
+    agent_name: str
 
 
 @dataclass
@@ -207,6 +209,13 @@ class KVConnectorWorker:
             # The cached handshake went stale meanwhile (a read from it failed): fetch anew.
             self._submit_prepare(pull, need_handshake=True)
             return
+        if engine.info.agent_name != prepared.agent_name:
+            # The cached producer restarted: its blocks and its NIXL agent are gone.
+            self._forget(engine)
+            self._fail(req_id, FailureReason.PRODUCER_RESTARTED,
+                       f"engine {engine.info.engine_id} at {engine.address} restarted: the "
+                       "blocks it computed are gone")
+            return
         self._start_read(req_id, pull, engine, prepared.held)
 
     def _engine_for(self, spec: PullSpec, prepared: _Prepared) -> RemoteEngine | None:
@@ -323,7 +332,7 @@ def _prepare(client: SideChannelClient, agent_name: str, remote_req_id: str) -> 
     """Runs on the preparation thread: handshake unless cached, then renew the hold."""
     info = client.handshake() if not agent_name else None
     reply = client.renew(info.agent_name if info else agent_name, [remote_req_id])
-    return _Prepared(client.address, info, held=reply.held[0])
+    return _Prepared(client.address, info, held=reply.held[0], agent_name=reply.agent_name)
 
 
 def _check_range(block_ids: np.ndarray, num_blocks: int, where: str) -> None:
