@@ -86,8 +86,10 @@ class SideChannelServer:
         self._encoded_info = msgspec.msgpack.encode(info)
         self._httpd = ThreadingHTTPServer((host, port), _make_handler(self))
         self._httpd.daemon_threads = True
+        # A short poll interval only bounds how long close() waits for the serving thread.
         self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="kvferry-side-channel", daemon=True
+            target=self._httpd.serve_forever, args=(0.05,), name="kvferry-side-channel",
+            daemon=True,
         )
 
     @property
