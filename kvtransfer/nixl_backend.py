@@ -71,11 +71,14 @@ class Transfer:
 class NixlBackend:
     """One engine's NIXL agent."""
 
-    def __init__(self, agent_name: str, ucx_error_handling_mode: str = "none") -> None:
+    def __init__(
+        self, agent_name: str, ucx_error_handling_mode: str = "none", progress_thread: bool = False
+    ) -> None:
         nixl_agent, nixl_agent_config, self._errors = _nixl()
         self.agent_name = agent_name
         # No backend from the config: its UCX backend cannot take parameters there.
-        self._agent = nixl_agent(agent_name, nixl_agent_config(backends=[]))
+        config = nixl_agent_config(backends=[], enable_prog_thread=progress_thread)
+        self._agent = nixl_agent(agent_name, config)
         self._agent.create_backend("UCX", {"ucx_error_handling_mode": ucx_error_handling_mode})
         # Registered regions by base address, so a tensor shared by two groups counts once.
         self._registered: dict[int, Any] = {}

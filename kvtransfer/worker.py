@@ -110,7 +110,9 @@ class KVConnectorWorker:
             raise RuntimeError("register_kv_caches was already called")
         caches = list(kv_caches) if isinstance(kv_caches, (list, tuple)) else [kv_caches]
         self._layouts = [KVLayout.of_cache(c) for c in caches]
-        self._backend = NixlBackend(self.agent_name, self.config.ucx_error_handling_mode)
+        self._backend = NixlBackend(
+            self.agent_name, self.config.ucx_error_handling_mode, self.config.nixl_progress_thread
+        )
         self._regions = [self._backend.register(c) for c in caches]
         local = LocalIdentity(
             self.config.model_id, self._layouts,

@@ -1,0 +1,368 @@
+"""KV pull bandwidth between two processes over NIXL, against a plain memory copy.
+
+A producer process holds a KV cache of a realistic shape (32 layers, 8 KV heads, head size
+128, block size 16, bfloat16: 2 MiB per block); this process pulls N of its blocks with a
+NIXL READ, as a decode pod does. For each size (1, 8, 64, 512 MB of KV; 1 MB rounds up to
+one whole block) it measures, interleaved trial by trial:
+
+- copy: one memcpy (`numpy.copyto`, a single thread) of the same bytes, from the
+  producer's cache (shared memory) into this process's cache: the bound to compare with;
+- pull, cross-layer layout (kvferry's): blocks outermost, the cache registered as one
+  region, one descriptor per run of consecutive block ids;
+- pull, per-layer layout: one region per layer, one descriptor per layer per run: what a
+  layer-major cache would cost;
+- connector: the whole path an engine takes (lease renewal on the side channel, READ,
+  polling from `get_finished`), with the handshake already cached.
+
+Block ids are realistic, not one tidy range: the producer's blocks are runs of 1-16
+consecutive ids in shuffled order, the consumer's one range, so descriptors per pull are
+the producer's runs. Pulled bytes are checked against the producer's. Only one pair of
+caches exists at a time (freed before the next size); the copy reads the producer's cache
+through shared memory, so it needs no third buffer.
+
+Transport: NIXL's UCX backend runs with `ucx_error_handling_mode=none` (the transfer
+layer's default, see nixl_backend.py): in "peer" mode UCX rules out its shared-memory
+transports, which cannot detect a failed peer, and `--ucx-error-mode peer` shows the cost.
+
+    python benchmarks/kvtransfer.py [--sizes-mb 1 8 64 512] [--trials 5] [--ucx-error-mode none]
+
+The last line is one JSON object; `ratio_64MB` is pull GB/s / copy GB/s at 64 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+from kvferry.kvtransfer import (
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    KVTransferConfig,
+    KVTransferMetrics,
+    KVTransferParams,
+)
+from kvferry.kvtransfer.layout import block_runs
+from kvferry.kvtransfer.nixl_backend import GroupRead, NixlBackend
+
+TARGET_RATIO = 0.7
+NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+# Bytes of one layer's keys and values for one block, and of one block across layers.
+LAYER_BLOCK_BYTES = 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_SIZE * DTYPE.itemsize
+BLOCK_BYTES = NUM_LAYERS * LAYER_BLOCK_BYTES
+MB = 1 << 20
+
+
+# ---------------------------------------------------------------------- caches
+def cross_layer_view(buf: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """(num_blocks, num_layers, 2, block_size, num_kv_heads, head_size): kvferry's cache."""
+    return buf.view(DTYPE).view(num_blocks, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+
+
+def per_layer_views(buf: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
+    """The same bytes as num_layers caches of (num_blocks, 2, block_size, heads, head_size)."""
+    layers = buf.view(DTYPE).view(NUM_LAYERS, num_blocks, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    return list(layers.unbind(0))
+
+
+def fill_random(buf: torch.Tensor, seed: int) -> None:
+    """Random bytes in 64 MiB chunks, so filling needs no second buffer of the cache's size."""
+    gen = torch.Generator().manual_seed(seed)
+    for start in range(0, buf.numel(), 64 * MB):
+        chunk = buf[start:start + 64 * MB]
+        chunk.copy_(torch.randint(0, 256, chunk.shape, generator=gen, dtype=torch.uint8))
+
+
+def shuffled_runs(num_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """Ids 1..num_blocks as runs of 1-16 consecutive ids, the runs in random order."""
+    runs, start = [], 1
+    while start <= num_blocks:
+        length = min(int(rng.integers(1, 17)), num_blocks + 1 - start)
+        runs.append(np.arange(start, start + length))
+        start += length
+    return np.concatenate([runs[i] for i in rng.permutation(len(runs))])
+
+
+# ---------------------------------------------------------------------- producer
+@dataclass
+class ProducerSide:
+    """What the consumer gets from the producer for one size."""
+
+    buf: torch.Tensor  # shared memory: the copy baseline reads it directly
+    cross_meta: bytes
+    cross_region: Any
+    layer_meta: bytes
+    layer_regions: list[Any]
+
+
+def producer_main(conn: Any, ucx_error_mode: str) -> None:
+    """Serves one size at a time: caches, raw NIXL agents for both layouts, a connector."""
+    torch.set_num_threads(1)
+    state: dict[str, Any] = {}
+    while True:
+        if state:
+            # An engine loop polls its connector every step; NIXL progresses on these polls.
+            state["worker"].get_finished()
+            state["cross"].notifications()
+            state["layer"].notifications()
+        if not conn.poll(0.005):
+            continue
+        command, *args = conn.recv()
+        if command == "setup":
+            state = producer_setup(*args, ucx_error_mode)
+            conn.send((state["side"], state["worker"].endpoint))
+        elif command == "hold":
+            conn.send(producer_hold(state, *args))
+        elif command == "teardown":
+            producer_teardown(state)
+            state = {}
+            conn.send("ok")
+        else:
+            return
+
+
+def producer_setup(num_blocks: int, seed: int, ucx_error_mode: str) -> dict[str, Any]:
+    buf = torch.empty(num_blocks * BLOCK_BYTES, dtype=torch.uint8).share_memory_()
+    fill_random(buf, seed)
+    cross = NixlBackend(f"bench-producer-cross-{seed}", ucx_error_mode)
+    cross_region = cross.register(cross_layer_view(buf, num_blocks))
+    layer = NixlBackend(f"bench-producer-layer-{seed}", ucx_error_mode)
+    layer_regions = [layer.register(v) for v in per_layer_views(buf, num_blocks)]
+    config = KVTransferConfig(model_id="bench", ucx_error_handling_mode=ucx_error_mode)
+    metrics = KVTransferMetrics()
+    worker = KVConnectorWorker(config, metrics)
+    endpoint = worker.register_kv_caches(cross_layer_view(buf, num_blocks))
+    scheduler = KVConnectorScheduler(config, BLOCK_SIZE, endpoint, worker.leases, metrics)
+    side = ProducerSide(buf, cross.metadata, cross_region, layer.metadata, layer_regions)
+    return {"side": side, "cross": cross, "layer": layer, "worker": worker,
+            "scheduler": scheduler}
+
+
+def producer_hold(state: dict[str, Any], req_id: str, block_ids: list[int]) -> dict:
+    keep, params = state["scheduler"].request_finished(
+        req_id, KVTransferParams(do_remote_decode=True), [block_ids],
+        len(block_ids) * BLOCK_SIZE, aborted=False,
+    )
+    assert keep and params is not None
+    return params.to_dict()
+
+
+def producer_teardown(state: dict[str, Any]) -> None:
+    state["scheduler"].shutdown()
+    state["worker"].shutdown()
+    state["cross"].close()
+    state["layer"].close()
+    state.clear()
+    gc.collect()
+
+
+# ---------------------------------------------------------------------- consumer
+@dataclass
+class Trials:
+    copy_s: list[float]
+    cross_s: list[float]
+    layer_s: list[float]
+    connector_s: list[float]
+
+
+def timed_read(backend: NixlBackend, remote: str, reads: list[GroupRead]) -> float:
+    """Seconds from posting a READ to seeing it done (busy polling, as tight as it gets)."""
+    start = time.perf_counter()
+    transfer = backend.read(remote, reads, b"")
+    while (state := backend.poll(transfer)) == "PROC":
+        pass
+    elapsed = time.perf_counter() - start
+    backend.release(transfer)
+    if state != "DONE":
+        raise RuntimeError(f"benchmark read ended in {state}")
+    return elapsed
+
+
+def timed_copy(dst: np.ndarray, src: np.ndarray) -> float:
+    start = time.perf_counter()
+    np.copyto(dst, src)
+    return time.perf_counter() - start
+
+
+def connector_pull(conn: Any, consumer: tuple[KVConnectorWorker, KVConnectorScheduler],
+                   req_id: str, remote_ids: np.ndarray, local_ids: np.ndarray) -> float:
+    """Seconds an engine waits for one pull through the connector (handshake cached)."""
+    worker, scheduler = consumer
+    conn.send(("hold", f"p-{req_id}", remote_ids.tolist()))
+    params = KVTransferParams.from_dict(conn.recv())
+    num_tokens = len(local_ids) * BLOCK_SIZE
+    start = time.perf_counter()
+    scheduler.add_request(req_id, params)
+    num_external = scheduler.get_num_new_matched_tokens(params, num_tokens + 1, 0)
+    scheduler.update_state_after_alloc(req_id, params, [local_ids.tolist()], 0, num_external)
+    worker.apply(scheduler.build_connector_meta())
+    while True:
+        done = scheduler.get_finished(worker.get_finished())
+        if req_id in done.ready:
+            return time.perf_counter() - start
+        if req_id in done.failed:
+            raise RuntimeError(f"connector pull failed: {done.failed[req_id]}")
+
+
+def measure_size(conn: Any, size_mb: int, trials: int, ucx_error_mode: str,
+                 rng: np.random.Generator, verbose: bool) -> dict[str, Any]:
+    num_pulled = max(1, math.ceil(size_mb * MB / BLOCK_BYTES))
+    # Block 0 is the null block on both sides.
+    num_blocks = num_pulled + 1
+    conn.send(("setup", num_blocks, size_mb))
+    side, _ = conn.recv()
+    # Written once, so no trial pays for first-touch page faults.
+    dst = torch.ones(num_blocks * BLOCK_BYTES, dtype=torch.uint8)
+    remote_ids = shuffled_runs(num_pulled, rng)
+    local_ids = np.arange(1, num_blocks)
+    cross, layer, consumer = consumer_agents(side, dst, num_blocks, ucx_error_mode)
+    try:
+        cross_reads = [GroupRead(cross.region, side.cross_region, BLOCK_BYTES,
+                                 block_runs(local_ids, remote_ids))]
+        layer_reads = [GroupRead(local, remote, LAYER_BLOCK_BYTES,
+                                 block_runs(local_ids, remote_ids))
+                       for local, remote in zip(layer.regions, side.layer_regions)]
+        span = slice(BLOCK_BYTES, num_blocks * BLOCK_BYTES)
+        src_np, dst_np = side.buf[span].numpy(), dst[span].numpy()
+        # Warm-up: UCX connects on a first transfer; the connector also handshakes.
+        timed_read(cross.backend, cross.remote, cross_reads)
+        timed_read(layer.backend, layer.remote, layer_reads)
+        connector_pull(conn, consumer, f"{size_mb}-warmup", remote_ids, local_ids)
+        results = Trials([], [], [], [])
+        for trial in range(trials):
+            results.copy_s.append(timed_copy(dst_np, src_np))
+            results.cross_s.append(timed_read(cross.backend, cross.remote, cross_reads))
+            results.layer_s.append(timed_read(layer.backend, layer.remote, layer_reads))
+            results.connector_s.append(
+                connector_pull(conn, consumer, f"{size_mb}-{trial}", remote_ids, local_ids))
+        check_pulled(side.buf, dst, num_blocks, remote_ids, local_ids)
+        if verbose:
+            num_bytes = num_pulled * BLOCK_BYTES
+            for name, seconds in vars(results).items():
+                print(f"  {name:12} GB/s per trial:",
+                      " ".join(f"{num_bytes / s / 1e9:.2f}" for s in seconds))
+        descriptors = {"cross": len(cross_reads[0].runs),
+                       "layer": sum(len(r.runs) for r in layer_reads)}
+        return summarize(size_mb, num_pulled, results, descriptors)
+    finally:
+        consumer[1].shutdown()
+        consumer[0].shutdown()
+        cross.backend.close()
+        layer.backend.close()
+        del side, dst
+        conn.send(("teardown",))
+        conn.recv()
+        gc.collect()
+
+
+@dataclass
+class ConsumerAgent:
+    backend: NixlBackend
+    remote: str
+    region: Any = None
+    regions: list[Any] | None = None
+
+
+def consumer_agents(side: ProducerSide, dst: torch.Tensor, num_blocks: int, ucx_error_mode: str
+                    ) -> tuple[ConsumerAgent, ConsumerAgent,
+                               tuple[KVConnectorWorker, KVConnectorScheduler]]:
+    cross_backend = NixlBackend(f"bench-consumer-cross-{num_blocks}", ucx_error_mode)
+    cross = ConsumerAgent(cross_backend, cross_backend.add_remote(side.cross_meta),
+                          region=cross_backend.register(cross_layer_view(dst, num_blocks)))
+    layer_backend = NixlBackend(f"bench-consumer-layer-{num_blocks}", ucx_error_mode)
+    layer = ConsumerAgent(layer_backend, layer_backend.add_remote(side.layer_meta),
+                          regions=[layer_backend.register(v)
+                                   for v in per_layer_views(dst, num_blocks)])
+    config = KVTransferConfig(model_id="bench", ucx_error_handling_mode=ucx_error_mode)
+    metrics = KVTransferMetrics()
+    worker = KVConnectorWorker(config, metrics)
+    endpoint = worker.register_kv_caches(cross_layer_view(dst, num_blocks))
+    scheduler = KVConnectorScheduler(config, BLOCK_SIZE, endpoint, worker.leases, metrics)
+    return cross, layer, (worker, scheduler)
+
+
+def check_pulled(src: torch.Tensor, dst: torch.Tensor, num_blocks: int,
+                 remote_ids: np.ndarray, local_ids: np.ndarray) -> None:
+    """The last pull was the connector's (cross-layer): blocks must match byte for byte."""
+    src_blocks = src.view(num_blocks, BLOCK_BYTES)[torch.from_numpy(remote_ids)]
+    dst_blocks = dst.view(num_blocks, BLOCK_BYTES)[torch.from_numpy(local_ids)]
+    if not torch.equal(src_blocks, dst_blocks):
+        raise RuntimeError("pulled blocks differ from the producer's")
+
+
+def summarize(size_mb: int, num_blocks: int, t: Trials, descriptors: dict[str, int]
+              ) -> dict[str, Any]:
+    num_bytes = num_blocks * BLOCK_BYTES
+
+    def gbps(seconds: list[float]) -> float:
+        return num_bytes / statistics.median(seconds) / 1e9
+
+    copy = gbps(t.copy_s)
+    return {
+        "size_mb": size_mb, "blocks": num_blocks, "bytes": num_bytes,
+        "copy_gbps": round(copy, 3),
+        "pull_gbps": round(gbps(t.cross_s), 3),
+        "pull_ratio": round(gbps(t.cross_s) / copy, 3),
+        "descriptors": descriptors["cross"],
+        "per_layer_gbps": round(gbps(t.layer_s), 3),
+        "per_layer_ratio": round(gbps(t.layer_s) / copy, 3),
+        "per_layer_descriptors": descriptors["layer"],
+        "connector_ms": round(statistics.median(t.connector_s) * 1e3, 3),
+        "connector_gbps": round(gbps(t.connector_s), 3),
+    }
+
+
+def print_row(r: dict[str, Any]) -> None:
+    print(f"{r['size_mb']:>5} MB {r['blocks']:>4} blocks | copy {r['copy_gbps']:6.2f} GB/s | "
+          f"pull {r['pull_gbps']:6.2f} GB/s ({r['pull_ratio']:.2f} of copy, "
+          f"{r['descriptors']} descs) | per-layer {r['per_layer_gbps']:6.2f} GB/s "
+          f"({r['per_layer_ratio']:.2f}, {r['per_layer_descriptors']} descs) | "
+          f"connector {r['connector_ms']:.2f} ms ({r['connector_gbps']:.2f} GB/s)", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 8, 64, 512])
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--ucx-error-mode", choices=["none", "peer"], default="none")
+    parser.add_argument("--verbose", action="store_true", help="print every trial")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    producer = ctx.Process(target=producer_main, args=(child_conn, args.ucx_error_mode),
+                           daemon=True)
+    producer.start()
+    rng = np.random.default_rng(0)
+    print(f"block {BLOCK_BYTES / MB:.0f} MiB ({NUM_LAYERS} layers x {NUM_KV_HEADS} KV heads x "
+          f"{HEAD_SIZE} x block size {BLOCK_SIZE}, {str(DTYPE).removeprefix('torch.')}); "
+          f"ucx_error_handling_mode={args.ucx_error_mode}; median of {args.trials} trials")
+    rows = []
+    try:
+        for size_mb in args.sizes_mb:
+            rows.append(measure_size(conn, size_mb, args.trials, args.ucx_error_mode, rng,
+                                     args.verbose))
+            print_row(rows[-1])
+    finally:
+        conn.send(("exit",))
+        producer.join(timeout=30)
+        if producer.is_alive():
+            producer.kill()
+    figures: dict[str, Any] = {f"ratio_{r['size_mb']}MB": r["pull_ratio"] for r in rows}
+    figures.update(target_ratio=TARGET_RATIO, ucx_error_handling_mode=args.ucx_error_mode,
+                   sizes=rows)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
