@@ -7,6 +7,9 @@ one whole block) it measures, interleaved trial by trial:
 
 - copy: one memcpy (`numpy.copyto`, a single thread) of the same bytes, from the
   producer's cache (shared memory) into this process's cache: the bound to compare with;
+- cma: one `process_vm_readv` of the same bytes from the producer's address space, the
+  kernel's single-copy path that UCX's CMA transport uses for a READ on one host: what
+  NIXL itself could reach here (the kernel pins each 4 KiB page before copying it);
 - pull, cross-layer layout (kvferry's): blocks outermost, the cache registered as one
   region, one descriptor per run of consecutive block ids;
 - pull, per-layer layout: one region per layer, one descriptor per layer per run: what a
@@ -32,6 +35,7 @@ The last line is one JSON object; `ratio_64MB` is pull GB/s / copy GB/s at 64 MB
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import math
@@ -43,7 +47,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.multiprocessing as mp
-
 from kvferry.kvtransfer import (
     KVConnectorScheduler,
     KVConnectorWorker,
@@ -170,6 +173,7 @@ def producer_teardown(state: dict[str, Any]) -> None:
 @dataclass
 class Trials:
     copy_s: list[float]
+    cma_s: list[float]
     cross_s: list[float]
     layer_s: list[float]
     connector_s: list[float]
@@ -185,6 +189,25 @@ def timed_read(backend: NixlBackend, remote: str, reads: list[GroupRead]) -> flo
     backend.release(transfer)
     if state != "DONE":
         raise RuntimeError(f"benchmark read ended in {state}")
+    return elapsed
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def timed_cma(pid: int, remote_addr: int, dst: np.ndarray) -> float:
+    """Seconds of one process_vm_readv of len(dst) bytes at remote_addr in process pid."""
+    local = _IoVec(dst.ctypes.data, dst.nbytes)
+    remote = _IoVec(remote_addr, dst.nbytes)
+    start = time.perf_counter()
+    got = _libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    elapsed = time.perf_counter() - start
+    if got != dst.nbytes:
+        raise OSError(ctypes.get_errno(), f"process_vm_readv read {got} of {dst.nbytes} bytes")
     return elapsed
 
 
@@ -214,7 +237,7 @@ def connector_pull(conn: Any, consumer: tuple[KVConnectorWorker, KVConnectorSche
             raise RuntimeError(f"connector pull failed: {done.failed[req_id]}")
 
 
-def measure_size(conn: Any, size_mb: int, trials: int, ucx_error_mode: str,
+def measure_size(conn: Any, producer_pid: int, size_mb: int, trials: int, ucx_error_mode: str,
                  rng: np.random.Generator, verbose: bool) -> dict[str, Any]:
     num_pulled = max(1, math.ceil(size_mb * MB / BLOCK_BYTES))
     # Block 0 is the null block on both sides.
@@ -231,16 +254,18 @@ def measure_size(conn: Any, size_mb: int, trials: int, ucx_error_mode: str,
                                  block_runs(local_ids, remote_ids))]
         layer_reads = [GroupRead(local, remote, LAYER_BLOCK_BYTES,
                                  block_runs(local_ids, remote_ids))
-                       for local, remote in zip(layer.regions, side.layer_regions)]
+                       for local, remote in zip(layer.regions, side.layer_regions, strict=True)]
         span = slice(BLOCK_BYTES, num_blocks * BLOCK_BYTES)
         src_np, dst_np = side.buf[span].numpy(), dst[span].numpy()
         # Warm-up: UCX connects on a first transfer; the connector also handshakes.
         timed_read(cross.backend, cross.remote, cross_reads)
         timed_read(layer.backend, layer.remote, layer_reads)
         connector_pull(conn, consumer, f"{size_mb}-warmup", remote_ids, local_ids)
-        results = Trials([], [], [], [])
+        results = Trials([], [], [], [], [])
+        remote_span = side.cross_region.base_addr + BLOCK_BYTES
         for trial in range(trials):
             results.copy_s.append(timed_copy(dst_np, src_np))
+            results.cma_s.append(timed_cma(producer_pid, remote_span, dst_np))
             results.cross_s.append(timed_read(cross.backend, cross.remote, cross_reads))
             results.layer_s.append(timed_read(layer.backend, layer.remote, layer_reads))
             results.connector_s.append(
@@ -311,8 +336,10 @@ def summarize(size_mb: int, num_blocks: int, t: Trials, descriptors: dict[str, i
     return {
         "size_mb": size_mb, "blocks": num_blocks, "bytes": num_bytes,
         "copy_gbps": round(copy, 3),
+        "cma_gbps": round(gbps(t.cma_s), 3),
         "pull_gbps": round(gbps(t.cross_s), 3),
         "pull_ratio": round(gbps(t.cross_s) / copy, 3),
+        "pull_vs_cma": round(gbps(t.cross_s) / gbps(t.cma_s), 3),
         "descriptors": descriptors["cross"],
         "per_layer_gbps": round(gbps(t.layer_s), 3),
         "per_layer_ratio": round(gbps(t.layer_s) / copy, 3),
@@ -324,7 +351,9 @@ def summarize(size_mb: int, num_blocks: int, t: Trials, descriptors: dict[str, i
 
 def print_row(r: dict[str, Any]) -> None:
     print(f"{r['size_mb']:>5} MB {r['blocks']:>4} blocks | copy {r['copy_gbps']:6.2f} GB/s | "
+          f"cma {r['cma_gbps']:6.2f} GB/s | "
           f"pull {r['pull_gbps']:6.2f} GB/s ({r['pull_ratio']:.2f} of copy, "
+          f"{r['pull_vs_cma']:.2f} of cma, "
           f"{r['descriptors']} descs) | per-layer {r['per_layer_gbps']:6.2f} GB/s "
           f"({r['per_layer_ratio']:.2f}, {r['per_layer_descriptors']} descs) | "
           f"connector {r['connector_ms']:.2f} ms ({r['connector_gbps']:.2f} GB/s)", flush=True)
@@ -350,8 +379,8 @@ def main() -> None:
     rows = []
     try:
         for size_mb in args.sizes_mb:
-            rows.append(measure_size(conn, size_mb, args.trials, args.ucx_error_mode, rng,
-                                     args.verbose))
+            rows.append(measure_size(conn, producer.pid, size_mb, args.trials,
+                                     args.ucx_error_mode, rng, args.verbose))
             print_row(rows[-1])
     finally:
         conn.send(("exit",))

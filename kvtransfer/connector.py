@@ -215,7 +215,7 @@ class KVConnectorScheduler:
         for group in range(1, len(remote)):
             local_groups.append(tuple(block_ids[group]))
             remote_groups.append(remote[group])
-        for group, (mine, theirs) in enumerate(zip(local_groups, remote_groups)):
+        for group, (mine, theirs) in enumerate(zip(local_groups, remote_groups, strict=True)):
             expected = end - first if group == 0 else len(mine)
             if len(mine) != expected or len(theirs) != expected:
                 raise ValueError(

@@ -59,7 +59,7 @@ def check_compatible(local: LocalIdentity, address: str, info: HandshakeInfo) ->
     for field, ours, theirs in checks:
         if ours != theirs:
             raise IncompatibleProducerError(address, field, ours, theirs)
-    for group, (ours, theirs) in enumerate(zip(local.layouts, info.layouts)):
+    for group, (ours, theirs) in enumerate(zip(local.layouts, info.layouts, strict=True)):
         mismatch = find_layout_mismatch(ours, theirs)
         if mismatch is not None:
             name, mine, other = mismatch

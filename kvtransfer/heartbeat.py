@@ -120,7 +120,10 @@ class LeaseKeeper:
                 self._metrics.count_heartbeat_failure()
                 logger.info("heartbeat to %s failed: %s", producer[:2], e)
                 continue
-            self._mark_lost(producer, [r for r, held in zip(req_ids, reply.held) if not held])
+            # A reply of the wrong length (a broken producer) marks nothing lost: the pull's own
+            # renewal checks the hold again before reading.
+            held = reply.held if len(reply.held) == len(req_ids) else [True] * len(req_ids)
+            self._mark_lost(producer, [r for r, h in zip(req_ids, held, strict=True) if not h])
 
     def _mark_lost(self, producer: _Producer, remote_req_ids: list[str]) -> None:
         lost = set(remote_req_ids)

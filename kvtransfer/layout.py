@@ -15,7 +15,6 @@ import hashlib
 
 import msgspec
 import numpy as np
-
 from kvferry.kvtransfer.params import TRANSFER_PROTOCOL_VERSION
 
 # Version of the cache layout above; bump it whenever the byte order of a block changes.

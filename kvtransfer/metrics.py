@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 PULL_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-class FailureReason(str, enum.Enum):
+class FailureReason(enum.StrEnum):
     """Why a pull failed; the label of `kvferry:kv_transfer_failures_total`."""
 
     # Params that cannot describe a pull into this engine (too few blocks, ids out of range).
@@ -34,7 +34,7 @@ class FailureReason(str, enum.Enum):
     TIMEOUT = "timeout"
 
 
-class HoldEnd(str, enum.Enum):
+class HoldEnd(enum.StrEnum):
     """How a producer's hold on a finished prefill's blocks ended."""
 
     # The consumer's read finished and its notification arrived.

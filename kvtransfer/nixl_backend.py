@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
 from kvferry.kvtransfer.layout import RegionInfo, run_descriptors
 
 logger = logging.getLogger(__name__)
@@ -37,9 +36,8 @@ def _nixl() -> tuple[Any, Any, tuple[type[Exception], ...]]:
         raise ImportError(
             "KV transfer needs NIXL: pip install 'kvferry[kvtransfer]' (nixl-cu12)"
         ) from e
-    errors = tuple(
-        getattr(_bindings, n) for n in dir(_bindings) if n.startswith("nixl") and n.endswith("Error")
-    )
+    names = [n for n in dir(_bindings) if n.startswith("nixl") and n.endswith("Error")]
+    errors = tuple(getattr(_bindings, n) for n in names)
     return nixl_agent, nixl_agent_config, errors
 
 

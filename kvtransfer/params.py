@@ -156,7 +156,9 @@ def _optional_port(data: Mapping[str, Any], name: str) -> int | None:
     if value is None:
         return None
     if not _is_int(value) or not 1 <= value <= 65535:
-        raise ValueError(f"kv_transfer_params.{name} must be an integer in [1, 65535], got {value!r}")
+        raise ValueError(
+            f"kv_transfer_params.{name} must be an integer in [1, 65535], got {value!r}"
+        )
     return value
 
 

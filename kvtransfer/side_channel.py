@@ -19,11 +19,10 @@ from __future__ import annotations
 import http.client
 import logging
 import threading
-from typing import TypeVar
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TypeVar
 
 import msgspec
-
 from kvferry.kvtransfer.layout import KVLayout, RegionInfo
 from kvferry.kvtransfer.lease import LeaseTable
 from kvferry.kvtransfer.metrics import HoldEnd
@@ -130,13 +129,13 @@ def _make_handler(server: SideChannelServer) -> type[BaseHTTPRequestHandler]:
         # client's delayed ACK (~40 ms a call).
         disable_nagle_algorithm = True
 
-        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        def do_GET(self) -> None:
             if self.path != HANDSHAKE_PATH:
                 self._reply(404, b"unknown path")
                 return
             self._reply(200, server.encoded_info, _CONTENT_TYPE)
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             if self.path not in (RENEW_PATH, FREE_PATH):
                 self._reply(404, b"unknown path")
                 return
@@ -158,7 +157,7 @@ def _make_handler(server: SideChannelServer) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        def log_message(self, format: str, *args: object) -> None:
             logger.debug("side channel: " + format, *args)
 
     return Handler

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from kvt_harness import SMALL, Consumer, Producer, make_consumer_on  # noqa: E402
+from kvt_harness import SMALL, Consumer, Producer, make_consumer_on
 
 # Children inherit this; UCX logs a line per refused connection otherwise.
 os.environ.setdefault("UCX_LOG_LEVEL", "fatal")

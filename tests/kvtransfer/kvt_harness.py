@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from kvferry.kvtransfer import (
     FinishedTransfers,
     KVConnectorScheduler,

@@ -22,7 +22,6 @@ import select
 import sys
 
 import torch
-
 from kvferry.kvtransfer import (
     KVConnectorScheduler,
     KVConnectorWorker,
@@ -93,8 +92,8 @@ def handle(command: dict, scheduler: KVConnectorScheduler, worker: KVConnectorWo
         return {"ended": ended, "blocks_held": worker.leases.num_blocks_held, "stats": stats}
     if op == "digest":
         cache = caches[command["group"]]
-        return {"sha256": [hashlib.sha256(cache[b].reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-                           for b in command["block_ids"]]}
+        blocks = [cache[b].reshape(-1).view(torch.uint8).numpy() for b in command["block_ids"]]
+        return {"sha256": [hashlib.sha256(b.tobytes()).hexdigest() for b in blocks]}
     raise ValueError(f"unknown op {op!r}")
 
 

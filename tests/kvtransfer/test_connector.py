@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import pytest
-
 from kvferry.kvtransfer import (
     FailureReason,
     KVConnectorOutput,
@@ -57,7 +56,7 @@ def remote_params(port: int, block_ids: list[int], num_tokens: int,
     )
 
 
-def wait_until(condition, timeout: float = 5.0) -> None:  # noqa: ANN001
+def wait_until(condition, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:

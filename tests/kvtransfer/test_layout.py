@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from kvferry.kvtransfer.layout import (
     KVLayout,
     block_runs,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kvferry.kvtransfer.lease import LeaseTable
 from kvferry.kvtransfer.metrics import HoldEnd, KVTransferMetrics
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from kvferry.kvtransfer.params import TRANSFER_PROTOCOL_VERSION, KVTransferParams
 
 DECODE_PARAMS = {

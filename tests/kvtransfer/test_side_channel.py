@@ -6,7 +6,6 @@ import socket
 from collections.abc import Iterator
 
 import pytest
-
 from kvferry.kvtransfer.handshake import IncompatibleProducerError, LocalIdentity, check_compatible
 from kvferry.kvtransfer.layout import KVLayout, RegionInfo, compatibility_hash
 from kvferry.kvtransfer.lease import LeaseTable

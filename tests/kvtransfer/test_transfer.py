@@ -7,11 +7,8 @@ import time
 
 import numpy as np
 import pytest
-import torch
-
 from kvferry.kvtransfer import FailureReason
 from kvferry.kvtransfer.layout import block_runs
-
 from kvt_harness import SMALL, Consumer, Producer, block_bytes
 from kvt_producer import fill_cache
 
