@@ -5,8 +5,8 @@ A producer process holds a KV cache of a realistic shape (32 layers, 8 KV heads,
 NIXL READ, as a decode pod does. For each size (1, 8, 64, 512 MB of KV; 1 MB rounds up to
 one whole block) it measures, interleaved trial by trial:
 
-- copy: one memcpy (`numpy.copyto`, a single thread) of the same bytes, from the
-  producer's cache (shared memory) into this process's cache: the bound to compare with;
+- copy: one memcpy (`numpy.copyto`, a single thread) of the same bytes (the pulled blocks)
+  into a second span of this process's cache: the bound to compare with;
 - cma: one `process_vm_readv` of the same bytes from the producer's address space, the
   kernel's single-copy path that UCX's CMA transport uses for a READ on one host: what
   NIXL itself could reach here (the kernel pins each 4 KiB page before copying it);
@@ -19,9 +19,11 @@ one whole block) it measures, interleaved trial by trial:
 
 Block ids are realistic, not one tidy range: the producer's blocks are runs of 1-16
 consecutive ids in shuffled order, the consumer's one range, so descriptors per pull are
-the producer's runs. Pulled bytes are checked against the producer's. Only one pair of
-caches exists at a time (freed before the next size); the copy reads the producer's cache
-through shared memory, so it needs no third buffer.
+the producer's runs. Pulled bytes are checked against the producer's (by digest). Only one
+pair of caches exists at a time (freed before the next size): the producer's, and this
+process's with room for the pull and for the copy. Both are allocated as the engine should
+allocate its cache (`kvtransfer.memory.allocate_kv_cache`: huge pages where the kernel
+allows, which a CMA read needs to come near memcpy speed).
 
 Transport: NIXL's UCX backend runs with `ucx_error_handling_mode=none` (the transfer
 layer's default, see nixl_backend.py): in "peer" mode UCX rules out its shared-memory
@@ -37,8 +39,10 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import hashlib
 import json
 import math
+import multiprocessing as mp
 import statistics
 import time
 from dataclasses import dataclass
@@ -46,7 +50,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.multiprocessing as mp
 from kvferry.kvtransfer import (
     KVConnectorScheduler,
     KVConnectorWorker,
@@ -55,6 +58,7 @@ from kvferry.kvtransfer import (
     KVTransferParams,
 )
 from kvferry.kvtransfer.layout import block_runs
+from kvferry.kvtransfer.memory import allocate_kv_cache
 from kvferry.kvtransfer.nixl_backend import GroupRead, NixlBackend
 
 TARGET_RATIO = 0.7
@@ -101,7 +105,6 @@ def shuffled_runs(num_blocks: int, rng: np.random.Generator) -> np.ndarray:
 class ProducerSide:
     """What the consumer gets from the producer for one size."""
 
-    buf: torch.Tensor  # shared memory: the copy baseline reads it directly
     cross_meta: bytes
     cross_region: Any
     layer_meta: bytes
@@ -126,6 +129,8 @@ def producer_main(conn: Any, ucx_error_mode: str) -> None:
             conn.send((state["side"], state["worker"].endpoint))
         elif command == "hold":
             conn.send(producer_hold(state, *args))
+        elif command == "digest":
+            conn.send(blocks_digest(state["buf"], *args))
         elif command == "teardown":
             producer_teardown(state)
             state = {}
@@ -135,7 +140,7 @@ def producer_main(conn: Any, ucx_error_mode: str) -> None:
 
 
 def producer_setup(num_blocks: int, seed: int, ucx_error_mode: str) -> dict[str, Any]:
-    buf = torch.empty(num_blocks * BLOCK_BYTES, dtype=torch.uint8).share_memory_()
+    buf = allocate_kv_cache((num_blocks * BLOCK_BYTES,), torch.uint8)
     fill_random(buf, seed)
     cross = NixlBackend(f"bench-producer-cross-{seed}", ucx_error_mode)
     cross_region = cross.register(cross_layer_view(buf, num_blocks))
@@ -146,8 +151,8 @@ def producer_setup(num_blocks: int, seed: int, ucx_error_mode: str) -> dict[str,
     worker = KVConnectorWorker(config, metrics)
     endpoint = worker.register_kv_caches(cross_layer_view(buf, num_blocks))
     scheduler = KVConnectorScheduler(config, BLOCK_SIZE, endpoint, worker.leases, metrics)
-    side = ProducerSide(buf, cross.metadata, cross_region, layer.metadata, layer_regions)
-    return {"side": side, "cross": cross, "layer": layer, "worker": worker,
+    side = ProducerSide(cross.metadata, cross_region, layer.metadata, layer_regions)
+    return {"buf": buf, "side": side, "cross": cross, "layer": layer, "worker": worker,
             "scheduler": scheduler}
 
 
@@ -158,6 +163,15 @@ def producer_hold(state: dict[str, Any], req_id: str, block_ids: list[int]) -> d
     )
     assert keep and params is not None
     return params.to_dict()
+
+
+def blocks_digest(buf: torch.Tensor, block_ids: np.ndarray) -> str:
+    """sha256 of the given blocks' bytes, in order."""
+    blocks = buf.view(-1, BLOCK_BYTES)
+    digest = hashlib.sha256()
+    for block_id in block_ids:
+        digest.update(blocks[int(block_id)].numpy())
+    return digest.hexdigest()
 
 
 def producer_teardown(state: dict[str, Any]) -> None:
@@ -177,6 +191,8 @@ class Trials:
     cross_s: list[float]
     layer_s: list[float]
     connector_s: list[float]
+    # Of each connector pull, the seconds its READ took (the transfer layer's own metric).
+    connector_read_s: list[float]
 
 
 def timed_read(backend: NixlBackend, remote: str, reads: list[GroupRead]) -> float:
@@ -218,9 +234,12 @@ def timed_copy(dst: np.ndarray, src: np.ndarray) -> float:
 
 
 def connector_pull(conn: Any, consumer: tuple[KVConnectorWorker, KVConnectorScheduler],
-                   req_id: str, remote_ids: np.ndarray, local_ids: np.ndarray) -> float:
-    """Seconds an engine waits for one pull through the connector (handshake cached)."""
+                   req_id: str, remote_ids: np.ndarray, local_ids: np.ndarray
+                   ) -> tuple[float, float]:
+    """Seconds an engine waits for one pull through the connector (handshake cached), and
+    the seconds of its READ alone."""
     worker, scheduler = consumer
+    read_s_before = worker.metrics.snapshot().pull_seconds_sum
     conn.send(("hold", f"p-{req_id}", remote_ids.tolist()))
     params = KVTransferParams.from_dict(conn.recv())
     num_tokens = len(local_ids) * BLOCK_SIZE
@@ -232,9 +251,13 @@ def connector_pull(conn: Any, consumer: tuple[KVConnectorWorker, KVConnectorSche
     while True:
         done = scheduler.get_finished(worker.get_finished())
         if req_id in done.ready:
-            return time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            return elapsed, worker.metrics.snapshot().pull_seconds_sum - read_s_before
         if req_id in done.failed:
             raise RuntimeError(f"connector pull failed: {done.failed[req_id]}")
+        # An engine loop yields the GIL while its model runs; a bare spin here would hold it
+        # and starve the transfer thread (the interpreter switches threads every 5 ms).
+        time.sleep(0.0002)
 
 
 def measure_size(conn: Any, producer_pid: int, size_mb: int, trials: int, ucx_error_mode: str,
@@ -244,8 +267,10 @@ def measure_size(conn: Any, producer_pid: int, size_mb: int, trials: int, ucx_er
     num_blocks = num_pulled + 1
     conn.send(("setup", num_blocks, size_mb))
     side, _ = conn.recv()
-    # Written once, so no trial pays for first-touch page faults.
-    dst = torch.ones(num_blocks * BLOCK_BYTES, dtype=torch.uint8)
+    # Blocks [0, num_blocks) receive the pulls, the rest receives the copy.
+    cache = allocate_kv_cache(((num_blocks + num_pulled) * BLOCK_BYTES,), torch.uint8)
+    cache.fill_(1)  # every page touched: no trial pays for first-touch faults
+    dst = cache[:num_blocks * BLOCK_BYTES]
     remote_ids = shuffled_runs(num_pulled, rng)
     local_ids = np.arange(1, num_blocks)
     cross, layer, consumer = consumer_agents(side, dst, num_blocks, ucx_error_mode)
@@ -255,22 +280,25 @@ def measure_size(conn: Any, producer_pid: int, size_mb: int, trials: int, ucx_er
         layer_reads = [GroupRead(local, remote, LAYER_BLOCK_BYTES,
                                  block_runs(local_ids, remote_ids))
                        for local, remote in zip(layer.regions, side.layer_regions, strict=True)]
-        span = slice(BLOCK_BYTES, num_blocks * BLOCK_BYTES)
-        src_np, dst_np = side.buf[span].numpy(), dst[span].numpy()
+        # The pulled span, and where the copy of it goes.
+        pulled_np = cache[BLOCK_BYTES:num_blocks * BLOCK_BYTES].numpy()
+        copy_np = cache[num_blocks * BLOCK_BYTES:].numpy()
         # Warm-up: UCX connects on a first transfer; the connector also handshakes.
         timed_read(cross.backend, cross.remote, cross_reads)
         timed_read(layer.backend, layer.remote, layer_reads)
         connector_pull(conn, consumer, f"{size_mb}-warmup", remote_ids, local_ids)
-        results = Trials([], [], [], [], [])
+        results = Trials([], [], [], [], [], [])
         remote_span = side.cross_region.base_addr + BLOCK_BYTES
         for trial in range(trials):
-            results.copy_s.append(timed_copy(dst_np, src_np))
-            results.cma_s.append(timed_cma(producer_pid, remote_span, dst_np))
+            results.copy_s.append(timed_copy(copy_np, pulled_np))
+            results.cma_s.append(timed_cma(producer_pid, remote_span, pulled_np))
             results.cross_s.append(timed_read(cross.backend, cross.remote, cross_reads))
             results.layer_s.append(timed_read(layer.backend, layer.remote, layer_reads))
-            results.connector_s.append(
-                connector_pull(conn, consumer, f"{size_mb}-{trial}", remote_ids, local_ids))
-        check_pulled(side.buf, dst, num_blocks, remote_ids, local_ids)
+            total_s, read_s = connector_pull(conn, consumer, f"{size_mb}-{trial}", remote_ids,
+                                             local_ids)
+            results.connector_s.append(total_s)
+            results.connector_read_s.append(read_s)
+        check_pulled(conn, dst, remote_ids, local_ids)
         if verbose:
             num_bytes = num_pulled * BLOCK_BYTES
             for name, seconds in vars(results).items():
@@ -284,7 +312,7 @@ def measure_size(conn: Any, producer_pid: int, size_mb: int, trials: int, ucx_er
         consumer[0].shutdown()
         cross.backend.close()
         layer.backend.close()
-        del side, dst
+        del side, dst, cache
         conn.send(("teardown",))
         conn.recv()
         gc.collect()
@@ -316,12 +344,11 @@ def consumer_agents(side: ProducerSide, dst: torch.Tensor, num_blocks: int, ucx_
     return cross, layer, (worker, scheduler)
 
 
-def check_pulled(src: torch.Tensor, dst: torch.Tensor, num_blocks: int,
-                 remote_ids: np.ndarray, local_ids: np.ndarray) -> None:
-    """The last pull was the connector's (cross-layer): blocks must match byte for byte."""
-    src_blocks = src.view(num_blocks, BLOCK_BYTES)[torch.from_numpy(remote_ids)]
-    dst_blocks = dst.view(num_blocks, BLOCK_BYTES)[torch.from_numpy(local_ids)]
-    if not torch.equal(src_blocks, dst_blocks):
+def check_pulled(conn: Any, dst: torch.Tensor, remote_ids: np.ndarray,
+                 local_ids: np.ndarray) -> None:
+    """The last pull was the connector's (cross-layer): blocks must match the producer's."""
+    conn.send(("digest", remote_ids))
+    if conn.recv() != blocks_digest(dst, local_ids):
         raise RuntimeError("pulled blocks differ from the producer's")
 
 
@@ -346,6 +373,7 @@ def summarize(size_mb: int, num_blocks: int, t: Trials, descriptors: dict[str, i
         "per_layer_descriptors": descriptors["layer"],
         "connector_ms": round(statistics.median(t.connector_s) * 1e3, 3),
         "connector_gbps": round(gbps(t.connector_s), 3),
+        "connector_read_gbps": round(gbps(t.connector_read_s), 3),
     }
 
 
@@ -356,13 +384,14 @@ def print_row(r: dict[str, Any]) -> None:
           f"{r['pull_vs_cma']:.2f} of cma, "
           f"{r['descriptors']} descs) | per-layer {r['per_layer_gbps']:6.2f} GB/s "
           f"({r['per_layer_ratio']:.2f}, {r['per_layer_descriptors']} descs) | "
-          f"connector {r['connector_ms']:.2f} ms ({r['connector_gbps']:.2f} GB/s)", flush=True)
+          f"connector {r['connector_ms']:.2f} ms ({r['connector_gbps']:.2f} GB/s, its read "
+          f"{r['connector_read_gbps']:.2f} GB/s)", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 8, 64, 512])
-    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--trials", type=int, default=7)
     parser.add_argument("--ucx-error-mode", choices=["none", "peer"], default="none")
     parser.add_argument("--verbose", action="store_true", help="print every trial")
     args = parser.parse_args()
