@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
 from kvferry.kvtransfer.memory import HUGE_PAGE_BYTES, advise_huge_pages, allocate_kv_cache
 
 

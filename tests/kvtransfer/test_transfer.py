@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import os
+import signal
 import time
 
 import numpy as np
@@ -238,3 +241,32 @@ def test_prefix_hits_on_the_consumer_shorten_the_pull(producers, make_consumer) 
     assert block_bytes(consumer.caches[0], [22, 23]) == block_bytes(expected, [12, 13])
     assert not consumer.caches[0][[20, 21]].any()
     assert consumer.metrics.snapshot().bytes_pulled == 2 * len(block_bytes(expected, [0]))
+
+
+def test_a_frozen_producer_fails_the_pull_within_the_side_channel_timeout(
+    producers, make_consumer
+) -> None:
+    producer = producers()
+    consumer = make_consumer(side_channel_timeout_s=1.0)
+    assert consumer.pull("d1", producer.hold("p1", [[3]], 4), [[5]], 4) is None
+    params = producer.hold("p2", [[6]], 4)
+    os.kill(producer.proc.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        failure = consumer.pull("d2", params, [[7]], 4)
+        assert time.monotonic() - started < 4.0
+    finally:
+        os.kill(producer.proc.pid, signal.SIGCONT)
+    assert failure is not None and failure.reason is FailureReason.PRODUCER_UNREACHABLE
+    assert "timed out" in failure.message
+
+
+def test_block_ids_outside_the_producers_cache_are_refused(producers, make_consumer) -> None:
+    producer = producers()
+    consumer = make_consumer()
+    params = dataclasses.replace(producer.hold("p", [[3]], 4), remote_block_ids=((64,),))
+
+    failure = consumer.pull("d", params, [[5]], 4)
+
+    assert failure is not None and failure.reason is FailureReason.INVALID_PARAMS
+    assert "group 0 remote block ids must be in [1, 64), got [64, 64]" in failure.message
