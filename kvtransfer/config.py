@@ -44,8 +44,9 @@ class KVTransferConfig:
     ucx_error_handling_mode: UcxErrorMode = "none"
     # A NIXL progress thread polls UCX without pause: on a CPU host it takes a core from
     # the model and, on 2 cores, made a 64 MB pull 4-6x slower. Without it, NIXL progresses
-    # whenever the engine polls (`get_finished`, every step); on a GPU host with spare
-    # cores a progress thread lets completions land between polls.
+    # when the connector's transfer thread polls (every 1 ms while pulls run, every 10 ms
+    # otherwise); on a GPU host with spare cores a progress thread lets completions land
+    # between polls.
     nixl_progress_thread: bool = False
 
     def __post_init__(self) -> None:

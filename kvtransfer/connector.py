@@ -18,7 +18,9 @@ A request on a decode pod, step by step (the scheduler's calls):
    `get_finished` here: `ready` (its KV is in its blocks: add the pulled tokens to
    `num_computed_tokens`, index the blocks in the prefix cache, schedule the rest),
    `failed` (recompute or fail by `config.failure_policy`; the pulled blocks must not be
-   indexed), `free` (finished requests whose held blocks may now be freed);
+   indexed), `free` (finished requests whose held blocks may now be freed). Once its
+   pull is over the request's params must stop asking for one (set them to None), so a
+   later preemption recomputes instead of pulling blocks the producer has freed;
 5. `request_finished` when it ends: on a producer, a prefill with `do_remote_decode`
    keeps its blocks under a lease and returns the params for the decode hop.
 

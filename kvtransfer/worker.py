@@ -53,7 +53,6 @@ class KVConnectorWorker:
         self.agent_name = f"kvferry-{self.engine_id}-{uuid.uuid4().hex[:8]}"
         self.leases = LeaseTable(config.lease_s, metrics)
         self._backend: NixlBackend | None = None
-        self._engines: RemoteEngines | None = None
         self._layouts: list[KVLayout] = []
         self._regions: list[RegionInfo] = []
         self._server: SideChannelServer | None = None
