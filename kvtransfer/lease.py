@@ -1,0 +1,114 @@
+"""The producer's leases on finished prefills' blocks.
+
+A prefill that will be decoded elsewhere finishes with its blocks held. The hold ends in
+exactly one of three ways: the consumer's read finishes (its NIXL notification arrives), the
+consumer frees it (it computed locally, failed, or was cancelled), or the lease runs out
+(no heartbeat for `lease_s`: the consumer died or forgot). Whichever comes first wins; the
+others then find nothing to end. A decode pod that dies therefore strands nothing for longer
+than one lease.
+
+The table is shared by the scheduler (which starts holds), the side channel's threads
+(heartbeats and frees) and the engine thread (notifications and expiry), hence the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kvferry.kvtransfer.metrics import HoldEnd, KVTransferMetrics
+from kvferry.kvtransfer.params import BlockIdGroups
+
+
+@dataclass
+class Hold:
+    """One finished prefill's blocks, kept for a remote pull."""
+
+    req_id: str
+    block_ids: BlockIdGroups
+    # Monotonic time at which the hold ends unless renewed.
+    deadline: float
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(g) for g in self.block_ids)
+
+
+class LeaseTable:
+    """Holds keyed by request id, each ending once; ended holds wait to be drained."""
+
+    def __init__(
+        self,
+        lease_s: float,
+        metrics: KVTransferMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.lease_s = lease_s
+        self._metrics = metrics
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._holds: dict[str, Hold] = {}
+        # Ended holds whose blocks the scheduler has not yet been told to free.
+        self._ended: list[str] = []
+        self._num_blocks = 0
+
+    def hold(self, req_id: str, block_ids: BlockIdGroups) -> None:
+        """Starts a lease of `lease_s` on a request's blocks."""
+        with self._lock:
+            if req_id in self._holds:
+                raise RuntimeError(f"request {req_id!r} already holds blocks for a transfer")
+            held = Hold(req_id, block_ids, self._clock() + self.lease_s)
+            self._holds[req_id] = held
+            self._num_blocks += held.num_blocks
+            self._metrics.set_blocks_held(self._num_blocks)
+
+    def renew(self, req_ids: Iterable[str]) -> list[bool]:
+        """Extends the given holds by a full lease; per id, whether it is still held."""
+        with self._lock:
+            deadline = self._clock() + self.lease_s
+            held = [self._holds.get(r) for r in req_ids]
+            for h in held:
+                if h is not None:
+                    h.deadline = max(h.deadline, deadline)
+            return [h is not None for h in held]
+
+    def end(self, req_id: str, how: HoldEnd) -> bool:
+        """Ends one hold; False when it had already ended (or never existed)."""
+        with self._lock:
+            return self._end_locked(req_id, how)
+
+    def expire(self) -> list[str]:
+        """Ends every hold past its deadline; returns their request ids."""
+        with self._lock:
+            now = self._clock()
+            expired = [r for r, h in self._holds.items() if h.deadline <= now]
+            for req_id in expired:
+                self._end_locked(req_id, HoldEnd.EXPIRED)
+            return expired
+
+    def drain_ended(self) -> list[str]:
+        """Request ids whose holds ended since the last call: their blocks may be freed."""
+        with self._lock:
+            ended, self._ended = self._ended, []
+            return ended
+
+    def is_held(self, req_id: str) -> bool:
+        with self._lock:
+            return req_id in self._holds
+
+    @property
+    def num_blocks_held(self) -> int:
+        with self._lock:
+            return self._num_blocks
+
+    def _end_locked(self, req_id: str, how: HoldEnd) -> bool:
+        held = self._holds.pop(req_id, None)
+        if held is None:
+            return False
+        self._num_blocks -= held.num_blocks
+        self._ended.append(req_id)
+        self._metrics.set_blocks_held(self._num_blocks)
+        self._metrics.count_hold_ended(how)
+        return True

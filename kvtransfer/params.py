@@ -1,0 +1,213 @@
+"""`kv_transfer_params`: what a request carries between the prefill and decode hops.
+
+The shape is vLLM's, so the proxies that drive vLLM's disaggregation (vLLM's examples,
+llm-d's routing sidecar, vllm-router's P/D mode) drive kvferry pods unchanged:
+
+- to a prefill pod: `{"do_remote_decode": true}`: compute the prompt, hold its blocks;
+- back from it: `{"do_remote_prefill": true, "remote_engine_id", "remote_host",
+  "remote_port", "remote_block_ids", "remote_request_id"}` plus kvferry's own fields;
+- to a decode pod: that object unchanged: pull the blocks, then decode.
+
+Fields kvferry adds are prefixed `kvferry_`; unknown vLLM fields are ignored (newer vLLM
+versions add some), unknown `kvferry_` fields are refused (a typo must not pass silently).
+`remote_block_ids` is a flat list for the one group of a decoder-only model (vLLM's form)
+or a list of lists, one per block group (group 1: an encoder-decoder's cross-attention).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Version of kvferry's transfer protocol (side channel messages, notifications, fields).
+TRANSFER_PROTOCOL_VERSION = 1
+
+# Per block group, the block ids in table order.
+BlockIdGroups = tuple[tuple[int, ...], ...]
+
+_KVFERRY_FIELDS = frozenset(
+    {"kvferry_agent_name", "kvferry_num_tokens", "kvferry_lease_s", "kvferry_protocol_version"}
+)
+_REMOTE_FIELDS = (
+    "remote_engine_id", "remote_host", "remote_port", "remote_block_ids", "remote_request_id"
+)
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    """One request's transfer instructions, parsed and validated."""
+
+    # On a prefill pod: hold the prompt's blocks for a remote decode and return params.
+    do_remote_decode: bool = False
+    # On a decode pod: the prompt's KV is on a remote producer; pull it.
+    do_remote_prefill: bool = False
+    # The producer's engine id; a new id at the same address means it restarted.
+    remote_engine_id: str | None = None
+    # The producer's side channel.
+    remote_host: str | None = None
+    remote_port: int | None = None
+    # The producer's block ids per group, covering its computed prompt tokens.
+    remote_block_ids: BlockIdGroups = ()
+    # The request id the producer holds the blocks under.
+    remote_request_id: str | None = None
+    # The producer's NIXL agent: changes whenever the producer process restarts, even
+    # under the same engine id, so a consumer knows its cached handshake is stale.
+    kvferry_agent_name: str | None = None
+    # Prompt tokens whose KV the producer computed (the blocks hold that many tokens).
+    kvferry_num_tokens: int | None = None
+    # Seconds the producer holds the blocks without a heartbeat.
+    kvferry_lease_s: float | None = None
+    kvferry_protocol_version: int = TRANSFER_PROTOCOL_VERSION
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> KVTransferParams | None:
+        """Parses a request's `kv_transfer_params`; None or {} gives None.
+
+        Raises ValueError naming the offending field.
+        """
+        if data is None:
+            return None
+        if not isinstance(data, Mapping):
+            raise ValueError(f"kv_transfer_params must be an object, got {type(data).__name__}")
+        if not data:
+            return None
+        _refuse_unknown_kvferry_fields(data)
+        params = cls(
+            do_remote_decode=_bool(data, "do_remote_decode"),
+            do_remote_prefill=_bool(data, "do_remote_prefill"),
+            remote_engine_id=_optional_str(data, "remote_engine_id"),
+            remote_host=_optional_str(data, "remote_host"),
+            remote_port=_optional_port(data, "remote_port"),
+            remote_block_ids=_block_id_groups(data.get("remote_block_ids")),
+            remote_request_id=_optional_str(data, "remote_request_id"),
+            kvferry_agent_name=_optional_str(data, "kvferry_agent_name"),
+            kvferry_num_tokens=_optional_count(data, "kvferry_num_tokens"),
+            kvferry_lease_s=_optional_seconds(data, "kvferry_lease_s"),
+            kvferry_protocol_version=_protocol_version(data),
+        )
+        params.check_remote_prefill()
+        return params
+
+    def check_remote_prefill(self) -> None:
+        """A remote prefill needs every remote field; raises ValueError naming the first missing."""
+        if not self.do_remote_prefill:
+            return
+        for name in _REMOTE_FIELDS:
+            if not getattr(self, name):
+                raise ValueError(f"kv_transfer_params.{name} is required with do_remote_prefill")
+        for i, group in enumerate(self.remote_block_ids):
+            if not group:
+                raise ValueError(f"kv_transfer_params.remote_block_ids[{i}] is empty")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form returned to the client; one group is written as vLLM's flat list."""
+        groups = [list(g) for g in self.remote_block_ids]
+        out: dict[str, Any] = {
+            "do_remote_decode": self.do_remote_decode,
+            "do_remote_prefill": self.do_remote_prefill,
+            "remote_engine_id": self.remote_engine_id,
+            "remote_host": self.remote_host,
+            "remote_port": self.remote_port,
+            "remote_block_ids": groups[0] if len(groups) == 1 else groups,
+            "remote_request_id": self.remote_request_id,
+            "kvferry_agent_name": self.kvferry_agent_name,
+            "kvferry_num_tokens": self.kvferry_num_tokens,
+            "kvferry_lease_s": self.kvferry_lease_s,
+            "kvferry_protocol_version": self.kvferry_protocol_version,
+        }
+        return {k: v for k, v in out.items() if v is not None}
+
+
+def _refuse_unknown_kvferry_fields(data: Mapping[str, Any]) -> None:
+    for key in data:
+        if isinstance(key, str) and key.startswith("kvferry_") and key not in _KVFERRY_FIELDS:
+            raise ValueError(
+                f"kv_transfer_params.{key} is not a kvferry field "
+                f"(known: {', '.join(sorted(_KVFERRY_FIELDS))})"
+            )
+
+
+def _bool(data: Mapping[str, Any], name: str) -> bool:
+    value = data.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ValueError(f"kv_transfer_params.{name} must be a boolean, got {value!r}")
+    return value
+
+
+def _optional_str(data: Mapping[str, Any], name: str) -> str | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"kv_transfer_params.{name} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass; `true` is never a port or a block id.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _optional_port(data: Mapping[str, Any], name: str) -> int | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if not _is_int(value) or not 1 <= value <= 65535:
+        raise ValueError(
+            f"kv_transfer_params.{name} must be an integer in [1, 65535], got {value!r}"
+        )
+    return value
+
+
+def _optional_count(data: Mapping[str, Any], name: str) -> int | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"kv_transfer_params.{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _optional_seconds(data: Mapping[str, Any], name: str) -> float | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"kv_transfer_params.{name} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def _protocol_version(data: Mapping[str, Any]) -> int:
+    value = data.get("kvferry_protocol_version", TRANSFER_PROTOCOL_VERSION)
+    if value != TRANSFER_PROTOCOL_VERSION or not _is_int(value):
+        raise ValueError(
+            f"kv_transfer_params.kvferry_protocol_version is {value!r}; this engine speaks "
+            f"version {TRANSFER_PROTOCOL_VERSION}"
+        )
+    return value
+
+
+def _block_ids(values: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"{where} must be a list of block ids, got {values!r}")
+    for block_id in values:
+        # Block 0 is the null block on every engine: it never holds a request's KV.
+        if not _is_int(block_id) or block_id < 1:
+            raise ValueError(f"{where} must hold integers >= 1, got {block_id!r}")
+    return tuple(values)
+
+
+def _block_id_groups(value: Any) -> BlockIdGroups:
+    where = "kv_transfer_params.remote_block_ids"
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{where} must be a list, got {value!r}")
+    if not value:
+        return ()
+    if all(isinstance(v, (list, tuple)) for v in value):
+        return tuple(_block_ids(g, f"{where}[{i}]") for i, g in enumerate(value))
+    return (_block_ids(value, where),)

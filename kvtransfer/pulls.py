@@ -1,0 +1,256 @@
+"""A consumer's pulls, from params to bytes in its blocks; run by the transfer thread.
+
+A pull goes through two phases:
+
+1. prepare (a pool thread, side-channel calls only): fetch the producer's handshake
+   unless it is cached, then renew the producer's hold, which both proves the producer is
+   alive and keeps the blocks in place for a whole lease while the read runs;
+2. read (NIXL calls, all on the transfer thread): check the handshake, add the producer's
+   agent, start one READ of all block runs with a notification naming the producer's
+   request, then poll it until done, failed or past `pull_timeout_s` (then cancel it).
+
+Every pull ends exactly once, in `output`: finished, failed (with a reason) or cancelled.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+from kvferry.kvtransfer.config import KVTransferConfig
+from kvferry.kvtransfer.connector import KVConnectorOutput, PullSpec, TransferFailure
+from kvferry.kvtransfer.handshake import IncompatibleProducerError, RemoteEngine, RemoteEngines
+from kvferry.kvtransfer.layout import KVLayout, RegionInfo, block_runs
+from kvferry.kvtransfer.metrics import FailureReason, KVTransferMetrics
+from kvferry.kvtransfer.nixl_backend import GroupRead, NixlBackend, NixlError, Transfer
+from kvferry.kvtransfer.side_channel import HandshakeInfo, SideChannelClient, SideChannelError
+
+logger = logging.getLogger(__name__)
+
+# A finished read's notification to the producer: this prefix, then its request id.
+PULLED_NOTIF_PREFIX = b"kvferry/pulled/"
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """What the preparation thread learned from the producer."""
+
+    address: str
+    # A fresh handshake, or None when the cached one was used.
+    info: HandshakeInfo | None
+    # The producer still holds the blocks (and renewed its lease).
+    held: bool
+    # The producer incarnation that answered.
+    agent_name: str
+
+
+@dataclass
+class _Pull:
+    spec: PullSpec
+    prepared: Future[_Prepared] | None = None
+    transfer: Transfer | None = None
+    engine: RemoteEngine | None = None
+    # Monotonic time after which a running read is cancelled.
+    deadline: float = 0.0
+
+
+class Puller:
+    """The pulls in flight; every method runs on the transfer thread."""
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        metrics: KVTransferMetrics,
+        backend: NixlBackend,
+        engines: RemoteEngines,
+        local: tuple[list[KVLayout], list[RegionInfo]],
+        wake: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self._backend = backend
+        self._engines = engines
+        self._layouts, self._regions = local
+        # Called when a preparation finishes, so the transfer thread does not sleep on it.
+        self._wake = wake
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvferry-prepare")
+        self._pulls: dict[str, _Pull] = {}
+        self.output = KVConnectorOutput()
+
+    def __len__(self) -> int:
+        return len(self._pulls)
+
+    def add(self, spec: PullSpec) -> None:
+        if spec.req_id in self._pulls:
+            raise RuntimeError(f"request {spec.req_id!r} is already pulling")
+        pull = _Pull(spec)
+        self._pulls[spec.req_id] = pull
+        self._submit_prepare(pull, cached=self._engines.lookup(spec.params))
+
+    def cancel(self, req_id: str) -> None:
+        """Drops a pull whose read has not started; a running read finishes or times out."""
+        pull = self._pulls.get(req_id)
+        if pull is not None and pull.transfer is None:
+            del self._pulls[req_id]
+            self.output.cancelled_pulls.append(req_id)
+
+    def advance(self) -> None:
+        """Moves every pull on as far as it goes without waiting."""
+        for req_id, pull in list(self._pulls.items()):
+            if pull.transfer is None:
+                self._advance_prepare(req_id, pull)
+            else:
+                self._poll_read(req_id, pull)
+
+    def close(self) -> None:
+        """Cancels running reads; pending preparations are dropped."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        for pull in self._pulls.values():
+            if pull.transfer is not None:
+                self._backend.release(pull.transfer)
+        self._pulls.clear()
+
+    # ------------------------------------------------------------------ prepare
+    def _submit_prepare(self, pull: _Pull, cached: RemoteEngine | None) -> None:
+        params = pull.spec.params
+        client = SideChannelClient(
+            params.remote_host or "", params.remote_port or 0, self.config.side_channel_timeout_s
+        )
+        agent_name = cached.info.agent_name if cached is not None else ""
+        pull.prepared = self._executor.submit(
+            _prepare, client, agent_name, params.remote_request_id or ""
+        )
+        pull.prepared.add_done_callback(lambda _: self._wake())
+
+    def _advance_prepare(self, req_id: str, pull: _Pull) -> None:
+        assert pull.prepared is not None
+        if not pull.prepared.done():
+            return
+        try:
+            prepared = pull.prepared.result()
+        except SideChannelError as e:
+            self._fail(req_id, FailureReason.PRODUCER_UNREACHABLE, str(e))
+            return
+        try:
+            engine = self._engine_for(pull.spec, prepared)
+        except IncompatibleProducerError as e:
+            logger.error("refusing KV from %s: %s", prepared.address, e)
+            self._fail(req_id, FailureReason.INCOMPATIBLE, str(e))
+            return
+        if engine is None:
+            # The cached handshake went stale meanwhile (a read from it failed): fetch anew.
+            self._submit_prepare(pull, cached=None)
+            return
+        if engine.info.agent_name != prepared.agent_name:
+            # The cached producer restarted: its blocks and its NIXL agent are gone.
+            self._engines.forget(engine.info.engine_id)
+            self._fail(req_id, FailureReason.PRODUCER_RESTARTED,
+                       f"engine {engine.info.engine_id} at {engine.address} restarted: the "
+                       "blocks it computed are gone")
+            return
+        self._start_read(req_id, pull, engine, prepared.held)
+
+    def _engine_for(self, spec: PullSpec, prepared: _Prepared) -> RemoteEngine | None:
+        if prepared.info is None:
+            return self._engines.lookup(spec.params)
+        return self._engines.accept(prepared.address, prepared.info)
+
+    # ------------------------------------------------------------------ read
+    def _start_read(self, req_id: str, pull: _Pull, engine: RemoteEngine, held: bool) -> None:
+        params, info = pull.spec.params, engine.info
+        if info.engine_id != params.remote_engine_id or (
+            params.kvferry_agent_name and params.kvferry_agent_name != info.agent_name
+        ):
+            self._fail(req_id, FailureReason.PRODUCER_RESTARTED,
+                       f"engine {params.remote_engine_id} at {engine.address} restarted (now "
+                       f"{info.engine_id}, agent {info.agent_name}): its blocks are gone")
+            return
+        if not held:
+            self._fail(req_id, FailureReason.LEASE_LOST,
+                       f"engine {info.engine_id} no longer holds request "
+                       f"{params.remote_request_id}")
+            return
+        try:
+            reads = self._group_reads(pull.spec, info)
+        except ValueError as e:
+            self._fail(req_id, FailureReason.INVALID_PARAMS, str(e))
+            return
+        notif = PULLED_NOTIF_PREFIX + (params.remote_request_id or "").encode()
+        try:
+            # On one CPU host the bytes move inside this call (a CMA read); it runs on the
+            # transfer thread and releases the GIL, so the engine loop goes on meanwhile.
+            pull.transfer = self._backend.read(info.agent_name, reads, notif)
+        except NixlError as e:
+            self._engines.forget(engine.info.engine_id)
+            self._fail(req_id, FailureReason.TRANSFER_ERROR, f"read from {engine.address}: {e}")
+            return
+        pull.engine = engine
+        pull.deadline = time.monotonic() + self.config.pull_timeout_s
+        self.metrics.count_descriptors(pull.transfer.num_descriptors)
+        self._poll_read(req_id, pull)
+
+    def _group_reads(self, spec: PullSpec, info: HandshakeInfo) -> list[GroupRead]:
+        reads = []
+        pairs = zip(spec.local_block_ids, spec.remote_block_ids, strict=True)
+        for group, (local, remote) in enumerate(pairs):
+            local_ids = np.asarray(local, dtype=np.int64)
+            remote_ids = np.asarray(remote, dtype=np.int64)
+            _check_range(local_ids, self._regions[group].num_blocks, f"group {group} local")
+            _check_range(remote_ids, info.regions[group].num_blocks, f"group {group} remote")
+            reads.append(GroupRead(
+                local=self._regions[group], remote=info.regions[group],
+                block_bytes=self._layouts[group].block_bytes,
+                runs=block_runs(local_ids, remote_ids),
+            ))
+        return reads
+
+    def _poll_read(self, req_id: str, pull: _Pull) -> None:
+        assert pull.transfer is not None and pull.engine is not None
+        state = self._backend.poll(pull.transfer)
+        if state == "DONE":
+            self._backend.release(pull.transfer)
+            seconds = time.perf_counter() - pull.transfer.started_at
+            self.metrics.observe_pull(pull.transfer.num_bytes, seconds)
+            del self._pulls[req_id]
+            self.output.finished_pulls.append(req_id)
+        elif state == "ERR":
+            self._backend.release(pull.transfer)
+            self._engines.forget(pull.engine.info.engine_id)
+            self._fail(req_id, FailureReason.TRANSFER_ERROR,
+                       f"read from {pull.engine.address} failed")
+        elif time.monotonic() > pull.deadline and self._backend.release(pull.transfer):
+            # Released means cancelled: NIXL no longer writes into the local blocks.
+            self._fail(req_id, FailureReason.TIMEOUT,
+                       f"read did not finish within {self.config.pull_timeout_s} s")
+
+    def fail_all(self, reason: FailureReason, message: str) -> None:
+        """Ends every pull (the transfer thread hit a bug): none is left waiting forever."""
+        for req_id, pull in list(self._pulls.items()):
+            if pull.transfer is not None:
+                self._backend.release(pull.transfer)
+            self._fail(req_id, reason, message)
+
+    def _fail(self, req_id: str, reason: FailureReason, message: str) -> None:
+        self._pulls.pop(req_id, None)
+        self.metrics.count_failure(reason)
+        self.output.failed_pulls[req_id] = TransferFailure(reason, message)
+        logger.warning("KV pull for %s failed (%s): %s", req_id, reason.value, message)
+
+
+def _prepare(client: SideChannelClient, agent_name: str, remote_req_id: str) -> _Prepared:
+    """Runs on a pool thread: handshake unless cached, then renew the hold."""
+    info = client.handshake() if not agent_name else None
+    reply = client.renew(info.agent_name if info else agent_name, [remote_req_id])
+    return _Prepared(client.address, info, held=reply.held[0], agent_name=reply.agent_name)
+
+
+def _check_range(block_ids: np.ndarray, num_blocks: int, where: str) -> None:
+    if block_ids.size and (block_ids.min() < 1 or block_ids.max() >= num_blocks):
+        raise ValueError(
+            f"{where} block ids must be in [1, {num_blocks}), got "
+            f"[{block_ids.min()}, {block_ids.max()}]"
+        )

@@ -1,0 +1,196 @@
+"""The worker's side of the connector: registers the KV cache, runs pulls, reports them.
+
+All NIXL work happens on one transfer thread that owns the agent: it starts and polls the
+pulls (pulls.py), reads the producer's notifications and ends expired leases. The engine
+thread only hands it commands (`apply`) and collects what ended (`get_finished`), so no
+engine step waits for a transfer, even on a CPU host where a read's bytes move inside
+NIXL's post call. The thread wakes every millisecond while pulls run and every 10 ms
+otherwise (NIXL progresses on these polls; the agent has no spinning progress thread).
+
+As a producer, the thread ends the holds whose read notifications arrived and the holds
+whose lease ran out; their request ids go back to the scheduler to free the blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import Sequence
+
+from kvferry.kvtransfer.config import KVTransferConfig
+from kvferry.kvtransfer.connector import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    ProducerEndpoint,
+    PullSpec,
+)
+from kvferry.kvtransfer.handshake import LocalIdentity, RemoteEngines
+from kvferry.kvtransfer.layout import KVLayout, RegionInfo, compatibility_hash
+from kvferry.kvtransfer.lease import LeaseTable
+from kvferry.kvtransfer.metrics import FailureReason, HoldEnd, KVTransferMetrics
+from kvferry.kvtransfer.nixl_backend import NixlBackend
+from kvferry.kvtransfer.params import TRANSFER_PROTOCOL_VERSION
+from kvferry.kvtransfer.pulls import PULLED_NOTIF_PREFIX, Puller
+from kvferry.kvtransfer.side_channel import HandshakeInfo, SideChannelServer
+
+logger = logging.getLogger(__name__)
+
+# Seconds the transfer thread sleeps between polls: while pulls run, and otherwise.
+BUSY_POLL_S = 0.001
+IDLE_POLL_S = 0.01
+
+
+class KVConnectorWorker:
+    """Moves KV blocks for one engine, as producer and as consumer."""
+
+    def __init__(self, config: KVTransferConfig, metrics: KVTransferMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.engine_id = config.engine_id or uuid.uuid4().hex[:12]
+        # Unique per process: a restarted producer is a new agent even under the same id.
+        self.agent_name = f"kvferry-{self.engine_id}-{uuid.uuid4().hex[:8]}"
+        self.leases = LeaseTable(config.lease_s, metrics)
+        self._backend: NixlBackend | None = None
+        self._layouts: list[KVLayout] = []
+        self._regions: list[RegionInfo] = []
+        self._server: SideChannelServer | None = None
+        self._puller: Puller | None = None
+        # Engine thread -> transfer thread: ("pull", [PullSpec]) and ("cancel", [req_id]).
+        self._commands: queue.SimpleQueue[tuple[str, list]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        # Guards `_output`, filled by the transfer thread and taken by the engine thread.
+        self._lock = threading.Lock()
+        self._output = KVConnectorOutput()
+
+    # ------------------------------------------------------------------ setup
+    def register_kv_caches(self, kv_caches: object | Sequence[object]) -> ProducerEndpoint:
+        """Registers the cache tensor of every block group and starts the side channel.
+
+        `kv_caches`: one tensor (one group) or a sequence indexed by group, each
+        (num_blocks, num_layers, 2, block_size, num_kv_heads, head_size), contiguous.
+        """
+        if self._backend is not None:
+            raise RuntimeError("register_kv_caches was already called")
+        caches = list(kv_caches) if isinstance(kv_caches, (list, tuple)) else [kv_caches]
+        self._layouts = [KVLayout.of_cache(c) for c in caches]
+        self._backend = NixlBackend(
+            self.agent_name, self.config.ucx_error_handling_mode, self.config.nixl_progress_thread
+        )
+        self._regions = [self._backend.register(c) for c in caches]
+        local = LocalIdentity(
+            self.config.model_id, self._layouts,
+            compatibility_hash(self.config.model_id, self._layouts),
+        )
+        engines = RemoteEngines(self._backend, local)
+        self._puller = Puller(self.config, self.metrics, self._backend, engines,
+                              (self._layouts, self._regions), self._wake.set)
+        self._server = SideChannelServer(
+            self.config.side_channel_host, self.config.side_channel_port,
+            self._handshake_info(local), self.leases,
+        )
+        self._server.start()
+        self._thread = threading.Thread(target=self._run, name="kvferry-transfer", daemon=True)
+        self._thread.start()
+        return self.endpoint
+
+    def _handshake_info(self, local: LocalIdentity) -> HandshakeInfo:
+        assert self._backend is not None
+        return HandshakeInfo(
+            protocol_version=TRANSFER_PROTOCOL_VERSION, engine_id=self.engine_id,
+            agent_name=self.agent_name, agent_metadata=self._backend.metadata,
+            model_id=local.model_id, layouts=self._layouts, regions=self._regions,
+            compat_hash=local.compat_hash, lease_s=self.config.lease_s,
+        )
+
+    @property
+    def endpoint(self) -> ProducerEndpoint:
+        if self._server is None:
+            raise RuntimeError("register_kv_caches must be called first")
+        host = self.config.advertise_host or self.config.side_channel_host
+        return ProducerEndpoint(self.engine_id, host, self._server.port, self.agent_name)
+
+    # ------------------------------------------------------------------ engine thread
+    def apply(self, meta: KVConnectorMetadata) -> None:
+        """Starts the step's new pulls, then cancels the pulls of finished requests."""
+        self.start_load_kv(meta.pulls)
+        self.cancel_pulls(meta.cancelled)
+
+    def start_load_kv(self, pulls: Sequence[PullSpec]) -> None:
+        """Starts pulls; they end in a later `get_finished`."""
+        if pulls:
+            self._commands.put(("pull", list(pulls)))
+            self._wake.set()
+
+    def cancel_pulls(self, req_ids: Sequence[str]) -> None:
+        """Drops pulls whose read has not started; running reads finish or time out first."""
+        if req_ids:
+            self._commands.put(("cancel", list(req_ids)))
+            self._wake.set()
+
+    def get_finished(self) -> KVConnectorOutput:
+        """What ended since the last call: pulls, cancelled pulls, producer holds. Never waits."""
+        with self._lock:
+            output, self._output = self._output, KVConnectorOutput()
+        return output
+
+    # ------------------------------------------------------------------ transfer thread
+    def _run(self) -> None:
+        assert self._puller is not None
+        while not self._stopping.is_set():
+            try:
+                self._step(self._puller)
+            except Exception:  # the thread must outlive a bug, or pulls would wait forever
+                logger.exception("KV transfer thread step failed; failing the pulls in flight")
+                self._puller.fail_all(FailureReason.TRANSFER_ERROR, "internal error, see log")
+                self._publish(self._puller, [])
+            self._wake.wait(BUSY_POLL_S if len(self._puller) else IDLE_POLL_S)
+            self._wake.clear()
+
+    def _step(self, puller: Puller) -> None:
+        while not self._commands.empty():
+            command, items = self._commands.get_nowait()
+            for item in items:
+                if command == "pull":
+                    puller.add(item)
+                else:
+                    puller.cancel(item)
+        puller.advance()
+        self._publish(puller, self._end_holds())
+
+    def _end_holds(self) -> list[str]:
+        assert self._backend is not None
+        for msg in self._backend.notifications():
+            if msg.startswith(PULLED_NOTIF_PREFIX):
+                req_id = msg[len(PULLED_NOTIF_PREFIX):].decode(errors="replace")
+                self.leases.end(req_id, HoldEnd.PULLED)
+            else:
+                logger.debug("ignoring NIXL notification %r", msg[:64])
+        self.leases.expire()
+        return self.leases.drain_ended()
+
+    def _publish(self, puller: Puller, ended_holds: list[str]) -> None:
+        done, puller.output = puller.output, KVConnectorOutput()
+        with self._lock:
+            out = self._output
+            out.finished_pulls.extend(done.finished_pulls)
+            out.failed_pulls.update(done.failed_pulls)
+            out.cancelled_pulls.extend(done.cancelled_pulls)
+            out.finished_sends.extend(ended_holds)
+
+    # ------------------------------------------------------------------ teardown
+    def shutdown(self) -> None:
+        """Stops the transfer thread, cancels running reads, stops the side channel."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if self._puller is not None:
+            self._puller.close()
+        if self._server is not None:
+            self._server.close()
+        if self._backend is not None:
+            self._backend.close()

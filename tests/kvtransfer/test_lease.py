@@ -1,0 +1,65 @@
+"""The producer's lease table: each hold ends exactly once, by pull, free or expiry."""
+
+from __future__ import annotations
+
+import pytest
+from kvferry.kvtransfer.lease import LeaseTable
+from kvferry.kvtransfer.metrics import HoldEnd, KVTransferMetrics
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_table(lease_s: float = 30.0) -> tuple[LeaseTable, FakeClock, KVTransferMetrics]:
+    clock, metrics = FakeClock(), KVTransferMetrics()
+    return LeaseTable(lease_s, metrics, clock), clock, metrics
+
+
+def test_a_hold_expires_after_the_lease() -> None:
+    table, clock, metrics = make_table()
+    table.hold("a", ((1, 2, 3),))
+    assert table.num_blocks_held == 3 and metrics.snapshot().blocks_held == 3
+    clock.now += 29.9
+    assert table.expire() == []
+    clock.now += 0.1
+    assert table.expire() == ["a"]
+    assert table.drain_ended() == ["a"]
+    assert table.drain_ended() == []
+    stats = metrics.snapshot()
+    assert (stats.blocks_held, stats.lease_expirations) == (0, 1)
+
+
+def test_renewing_extends_a_hold_by_a_full_lease() -> None:
+    table, clock, _ = make_table()
+    table.hold("a", ((1,),))
+    clock.now += 20
+    assert table.renew(["a", "unknown"]) == [True, False]
+    clock.now += 29
+    assert table.expire() == []
+    clock.now += 1
+    assert table.expire() == ["a"]
+
+
+def test_a_hold_ends_once_whichever_way_comes_first() -> None:
+    table, clock, metrics = make_table()
+    table.hold("a", ((1, 2), (7,)))
+    assert table.end("a", HoldEnd.PULLED)
+    assert not table.end("a", HoldEnd.FREED)
+    clock.now += 60
+    assert table.expire() == []
+    assert table.drain_ended() == ["a"]
+    stats = metrics.snapshot()
+    assert (stats.sends_pulled, stats.sends_freed, stats.lease_expirations) == (1, 0, 0)
+    assert stats.blocks_held == 0
+
+
+def test_a_request_cannot_hold_twice() -> None:
+    table, _, _ = make_table()
+    table.hold("a", ((1,),))
+    with pytest.raises(RuntimeError, match="already holds"):
+        table.hold("a", ((2,),))

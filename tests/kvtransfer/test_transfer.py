@@ -1,0 +1,272 @@
+"""Pulls between a producer process and a consumer, over real NIXL on loopback."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from kvferry.kvtransfer import FailureReason
+from kvferry.kvtransfer.layout import block_runs
+from kvt_harness import SMALL, Consumer, Producer, block_bytes
+from kvt_producer import fill_cache
+
+
+def random_block_ids(rng: np.random.Generator, count: int, num_blocks: int) -> list[int]:
+    """`count` distinct ids in [1, num_blocks): runs of 1-5 consecutive ids, gaps between."""
+    ids: list[int] = []
+    next_id = int(rng.integers(1, 4))
+    while len(ids) < count:
+        run = min(int(rng.integers(1, 6)), count - len(ids))
+        ids.extend(range(next_id, next_id + run))
+        next_id += run + int(rng.integers(0, 3))
+    assert ids[-1] < num_blocks
+    order = rng.permutation(len(ids)) if rng.random() < 0.3 else np.arange(len(ids))
+    return [ids[i] for i in order]
+
+
+def test_pulled_blocks_equal_the_producers_byte_for_byte(producers, make_consumer) -> None:
+    producer: Producer = producers(seed=10)
+    expected = fill_cache({**SMALL, "seed": 10}, 0)
+    rng = np.random.default_rng(0)
+    coalesced = 0
+    for pull in range(4):
+        consumer: Consumer = make_consumer()
+        count = int(rng.integers(4, 16))
+        remote_ids = random_block_ids(rng, count, SMALL["num_blocks"])
+        local_ids = random_block_ids(rng, count, SMALL["num_blocks"])
+        num_tokens = count * SMALL["block_size"]
+        params = producer.hold(f"prefill-{pull}", [remote_ids], num_tokens)
+
+        assert consumer.pull(f"decode-{pull}", params, [local_ids], num_tokens) is None
+
+        pulled = consumer.caches[0]
+        assert block_bytes(pulled, local_ids) == block_bytes(expected, remote_ids)
+        digests = producer.call("digest", group=0, block_ids=remote_ids)["sha256"]
+        assert [hashlib.sha256(block_bytes(pulled, [b])).hexdigest() for b in local_ids] == digests
+        # Nothing else was written.
+        untouched = sorted(set(range(SMALL["num_blocks"])) - set(local_ids))
+        assert not pulled[untouched].any()
+        stats = consumer.metrics.snapshot()
+        runs = block_runs(np.array(local_ids), np.array(remote_ids))
+        coalesced += len(runs) < count
+        assert stats.descriptors == len(runs)
+        assert stats.bytes_pulled == count * pulled[0].numel() * pulled.element_size()
+        assert stats.pulls_finished == 1
+    # The sets had runs that merged into fewer descriptors than blocks.
+    assert coalesced >= 2
+
+
+def test_consecutive_blocks_move_with_one_descriptor(producers, make_consumer) -> None:
+    producer = producers()
+    consumer = make_consumer()
+    params = producer.hold("p", [list(range(10, 30))], 20 * SMALL["block_size"])
+
+    assert consumer.pull("d", params, [list(range(40, 60))], 20 * SMALL["block_size"]) is None
+
+    assert consumer.metrics.snapshot().descriptors == 1
+    expected = fill_cache(SMALL, 0)
+    assert block_bytes(consumer.caches[0], list(range(40, 60))) == block_bytes(
+        expected, list(range(10, 30)))
+def test_the_notification_of_a_finished_pull_frees_the_producers_blocks(
+    producers, make_consumer
+) -> None:
+    producer = producers()
+    consumer = make_consumer()
+    params = producer.hold("p", [[3, 4, 5]], 12)
+    assert producer.call("status")["blocks_held"] == 3
+
+    assert consumer.pull("d", params, [[7, 8, 9]], 12) is None
+
+    status = producer.wait_ended("p")
+    assert status["blocks_held"] == 0
+    assert status["stats"]["sends_pulled"] == 1
+    assert status["stats"]["lease_expirations"] == 0
+
+
+def test_the_lease_frees_blocks_that_no_one_pulls(producers) -> None:
+    producer = producers(lease_s=0.5)
+    producer.hold("p", [[3, 4]], 8)
+    started = time.monotonic()
+
+    status = producer.wait_ended("p", timeout=5)
+
+    assert 0.4 < time.monotonic() - started < 5
+    assert status["blocks_held"] == 0
+    assert status["stats"]["lease_expirations"] == 1
+
+
+def test_heartbeats_extend_the_lease_of_a_waiting_request(producers, make_consumer) -> None:
+    producer = producers(lease_s=1.0)
+    consumer = make_consumer(heartbeat_interval_s=0.2)
+    params = producer.hold("p", [[3, 4]], 8)
+    # Queued on the decode side, not yet allocated: only heartbeats keep the hold.
+    consumer.scheduler.add_request("d", params)
+
+    time.sleep(3.0)
+    assert producer.call("status")["blocks_held"] == 2
+
+    # It is cancelled while queued: the consumer frees the hold at once.
+    keep, _ = consumer.scheduler.request_finished("d", params, [], 0, aborted=True)
+    assert not keep
+    status = producer.wait_ended("p", timeout=5)
+    assert status["stats"]["lease_expirations"] == 0
+    assert status["stats"]["sends_freed"] == 1
+
+
+def test_a_mismatched_layout_is_refused_at_handshake_naming_the_field(
+    producers, make_consumer
+) -> None:
+    producer = producers(num_kv_heads=4)
+    consumer = make_consumer(num_kv_heads=2)
+    params = producer.hold("p", [[3, 4]], 8)
+
+    failure = consumer.pull("d", params, [[5, 6]], 8)
+
+    assert failure is not None and failure.reason is FailureReason.INCOMPATIBLE
+    assert "num_kv_heads is 4 there and 2 here" in failure.message
+    assert not consumer.caches[0].any()
+    # The refused pull freed the producer's hold rather than waiting out the lease.
+    assert producer.wait_ended("p", timeout=5)["stats"]["sends_freed"] == 1
+
+
+def test_a_different_model_is_refused(producers, make_consumer) -> None:
+    producer = producers(model_id="model-a")
+    consumer = make_consumer(model_id="model-b")
+    failure = consumer.pull("d", producer.hold("p", [[3]], 4), [[5]], 4)
+    assert failure is not None and failure.reason is FailureReason.INCOMPATIBLE
+    assert "model_id is 'model-a' there and 'model-b' here" in failure.message
+
+
+@pytest.mark.parametrize("same_engine_id", [False, True])
+def test_a_producer_restarted_on_the_same_port_is_handshaken_again(
+    producers, make_consumer, same_engine_id: bool
+) -> None:
+    engine_id = "prefill-0" if same_engine_id else None
+    first = producers(seed=1, engine_id=engine_id)
+    consumer = make_consumer()
+    assert consumer.pull("d1", first.hold("p1", [[3, 4]], 8), [[5, 6]], 8) is None
+    stale = first.hold("p2", [[7, 8]], 8)
+    first.kill()
+
+    second = producers(seed=2, port=first.port, engine_id=engine_id)
+    assert second.port == first.port and second.agent_name != first.agent_name
+
+    # A request prefilled by the dead process fails cleanly: its blocks are gone.
+    failure = consumer.pull("d2", stale, [[9, 10]], 8)
+    assert failure is not None and failure.reason is FailureReason.PRODUCER_RESTARTED
+    assert not consumer.caches[0][[9, 10]].any()
+    # One prefilled by the new process is pulled from it.
+    assert consumer.pull("d3", second.hold("p3", [[11, 12]], 8), [[13, 14]], 8) is None
+    expected = fill_cache({**SMALL, "seed": 2}, 0)
+    assert block_bytes(consumer.caches[0], [13, 14]) == block_bytes(expected, [11, 12])
+
+
+def test_a_producer_killed_before_the_pull_fails_it_within_bounded_time(
+    producers, make_consumer
+) -> None:
+    producer = producers()
+    consumer = make_consumer(side_channel_timeout_s=2.0, pull_timeout_s=5.0)
+    # A first pull caches the handshake, so the second goes straight to the producer.
+    assert consumer.pull("d1", producer.hold("p1", [[3]], 4), [[5]], 4) is None
+    params = producer.hold("p2", [[6, 7]], 8)
+    producer.kill()
+    started = time.monotonic()
+
+    failure = consumer.pull("d2", params, [[8, 9]], 8)
+
+    assert time.monotonic() - started < 5.0
+    assert failure is not None and failure.reason is FailureReason.PRODUCER_UNREACHABLE
+    assert consumer.scheduler.num_pulls_in_flight == 0
+    assert not consumer.caches[0][[8, 9]].any()
+
+
+def test_a_second_block_group_travels_in_the_same_read(producers, make_consumer) -> None:
+    producer = producers(num_groups=2, seed=5)
+    consumer = make_consumer(num_groups=2)
+    # Group 0: the prompt's self-attention blocks; group 1: cross-attention, pulled whole.
+    params = producer.hold("p", [[3, 4, 5], [20, 21]], 12)
+    assert params.remote_block_ids == ((3, 4, 5), (20, 21))
+
+    assert consumer.pull("d", params, [[6, 7, 8], [30, 40]], 12) is None
+
+    spec = {**SMALL, "seed": 5}
+    assert block_bytes(consumer.caches[0], [6, 7, 8]) == block_bytes(fill_cache(spec, 0),
+                                                                     [3, 4, 5])
+    assert block_bytes(consumer.caches[1], [30, 40]) == block_bytes(fill_cache(spec, 1),
+                                                                    [20, 21])
+    # One run in group 0, two in group 1, all in one read.
+    assert consumer.metrics.snapshot().descriptors == 3
+    assert producer.wait_ended("p")["blocks_held"] == 0
+
+
+def test_a_request_finished_during_its_pull_keeps_its_blocks_until_the_read_is_over(
+    producers, make_consumer
+) -> None:
+    producer = producers()
+    consumer = make_consumer()
+    params = producer.hold("p", [[3, 4]], 8)
+    consumer.start_pull("d", params, [[5, 6]], 8)
+
+    keep, returned = consumer.scheduler.request_finished("d", params, [[5, 6]], 0, aborted=True)
+
+    assert keep and returned is None
+    deadline = time.monotonic() + 20
+    while "d" not in consumer.done.free and time.monotonic() < deadline:
+        consumer.step()
+    assert consumer.done.free == ["d"] and not consumer.done.ready and not consumer.done.failed
+    assert consumer.scheduler.num_pulls_in_flight == 0
+    producer.wait_ended("p", timeout=5)
+
+
+def test_prefix_hits_on_the_consumer_shorten_the_pull(producers, make_consumer) -> None:
+    producer = producers(seed=3)
+    consumer = make_consumer()
+    block = SMALL["block_size"]
+    params = producer.hold("p", [[10, 11, 12, 13]], 4 * block)
+    # The first two blocks are prefix hits here (local blocks 20, 21 already hold them).
+    consumer.scheduler.add_request("d", params)
+    num_external = consumer.scheduler.get_num_new_matched_tokens(params, 4 * block, 2 * block)
+    assert num_external == 2 * block - 1
+    consumer.scheduler.update_state_after_alloc("d", params, [[20, 21, 22, 23]], 2 * block,
+                                                num_external)
+
+    assert consumer.wait("d") is None
+
+    expected = fill_cache({**SMALL, "seed": 3}, 0)
+    assert block_bytes(consumer.caches[0], [22, 23]) == block_bytes(expected, [12, 13])
+    assert not consumer.caches[0][[20, 21]].any()
+    assert consumer.metrics.snapshot().bytes_pulled == 2 * len(block_bytes(expected, [0]))
+
+
+def test_a_frozen_producer_fails_the_pull_within_the_side_channel_timeout(
+    producers, make_consumer
+) -> None:
+    producer = producers()
+    consumer = make_consumer(side_channel_timeout_s=1.0)
+    assert consumer.pull("d1", producer.hold("p1", [[3]], 4), [[5]], 4) is None
+    params = producer.hold("p2", [[6]], 4)
+    os.kill(producer.proc.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        failure = consumer.pull("d2", params, [[7]], 4)
+        assert time.monotonic() - started < 4.0
+    finally:
+        os.kill(producer.proc.pid, signal.SIGCONT)
+    assert failure is not None and failure.reason is FailureReason.PRODUCER_UNREACHABLE
+    assert "timed out" in failure.message
+
+
+def test_block_ids_outside_the_producers_cache_are_refused(producers, make_consumer) -> None:
+    producer = producers()
+    consumer = make_consumer()
+    params = dataclasses.replace(producer.hold("p", [[3]], 4), remote_block_ids=((64,),))
+
+    failure = consumer.pull("d", params, [[5]], 4)
+
+    assert failure is not None and failure.reason is FailureReason.INVALID_PARAMS
+    assert "group 0 remote block ids must be in [1, 64), got [64, 64]" in failure.message
