@@ -91,10 +91,20 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", first_param
 
 
+# Location parts pydantic adds for the members of a union ("prompt", "list[int]", 0).
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "tuple"})
+
+
+def _is_type_tag(part: str) -> bool:
+    return part in _TYPE_TAGS or "[" in part or "-" in part
+
+
 def _dotted(loc: list[str]) -> str:
-    """("messages", "0", "content") -> "messages[0].content"."""
+    """("messages", "0", "content") -> "messages[0].content"; union member tags dropped."""
     out = ""
     for part in loc:
+        if _is_type_tag(part):
+            continue
         out += f"[{part}]" if part.isdigit() else (f".{part}" if out else part)
     return out
 
