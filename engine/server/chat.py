@@ -119,7 +119,7 @@ async def collect_chat(job: ChatJob, request: Request) -> ChatCompletionResponse
         job.record.error = str(exc)
         raise engine_error(exc) from None
     finally:
-        _finish_record(job.record, choices)
+        job.record.finish(choices)
         job.record.log()
     return ChatCompletionResponse(
         id=job.response_id, created=job.created, model=job.model,
@@ -134,10 +134,6 @@ async def collect_chat(job: ChatJob, request: Request) -> ChatCompletionResponse
         usage=UsageInfo.of(job.record.num_prompt_tokens, job.record.num_output_tokens),
     )
 
-
-def _finish_record(record: RequestRecord, choices: list[ChoiceState]) -> None:
-    record.num_output_tokens = sum(len(c.token_ids) for c in choices)
-    record.finish_reasons = [c.finish_reason for c in choices if c.finish_reason]
 
 
 def _logprobs(job: ChatJob, token_ids: list[int],
@@ -197,7 +193,7 @@ async def stream_chat(job: ChatJob, request: Request) -> AsyncIterator[bytes]:
         error = exc if isinstance(exc, ApiError) else engine_error(exc)
         yield sse(json.dumps(error_body(error.status, error.message, error.param, error.code)))
     finally:
-        _finish_record(job.record, choices)
+        job.record.finish(choices)
         job.record.log()
     yield SSE_DONE
 

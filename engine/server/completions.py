@@ -118,19 +118,13 @@ async def collect_completion(job: CompletionJob, request: Request) -> Completion
         job.record.error = str(exc)
         raise engine_error(exc) from None
     finally:
-        _finish_record(job.record, choices.values())
+        job.record.finish(list(choices.values()))
         job.record.log()
     return CompletionResponse(
         id=job.response_id, created=job.created, model=job.model,
         choices=[_whole_choice(job, p, i, c) for (p, i), c in choices.items()],
         usage=UsageInfo.of(job.record.num_prompt_tokens, job.record.num_output_tokens),
     )
-
-
-def _finish_record(record: RequestRecord, choices: object) -> None:
-    states = list(choices)  # type: ignore[call-overload]
-    record.num_output_tokens = sum(len(c.token_ids) for c in states)
-    record.finish_reasons = [c.finish_reason for c in states if c.finish_reason]
 
 
 def _whole_choice(job: CompletionJob, prompt_index: int, index: int,
@@ -201,7 +195,7 @@ async def stream_completion(job: CompletionJob, request: Request) -> AsyncIterat
         error = exc if isinstance(exc, ApiError) else engine_error(exc)
         yield sse(json.dumps(error_body(error.status, error.message, error.param, error.code)))
     finally:
-        _finish_record(job.record, choices.values())
+        job.record.finish(list(choices.values()))
         job.record.log()
     yield SSE_DONE
 

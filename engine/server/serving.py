@@ -201,6 +201,13 @@ class RequestRecord:
     error: str | None = None
     prompt_text: str | None = None
 
+    def finish(self, choices: list[ChoiceState]) -> None:
+        """Takes the token counts and finish reasons of the request's choices; a choice that
+        never finished was cut off by an error or by the client going away."""
+        self.num_output_tokens = sum(len(c.token_ids) for c in choices)
+        cut_off = "error" if self.error else "abort"
+        self.finish_reasons = [c.finish_reason or cut_off for c in choices]
+
     def log(self) -> None:
         latency = time.monotonic() - self.start
         reasons = ",".join(sorted(set(self.finish_reasons))) or "-"
