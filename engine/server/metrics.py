@@ -140,7 +140,7 @@ class EngineMetrics:
             self.time_per_output_token.observe(value)
         for value in stats.e2e_latencies:
             self.e2e.observe(value)
-        for value in getattr(stats, "queue_times", ()):
+        for value in stats.queue_times:
             self.queue_time.observe(value)
         for reason in stats.finish_reasons:
             self._success(reason).inc()

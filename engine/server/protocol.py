@@ -7,6 +7,7 @@ name the field and the limit. Both failures become 400s naming the field.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -108,10 +109,13 @@ class SamplingRequest(OpenAIModel):
             raise bad_request(str(exc), param=param_of_message(str(exc))) from None
 
 
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
 def param_of_message(message: str) -> str | None:
     """The field a `SamplingParams` message names: its first word ("stop[0]" -> "stop")."""
     word = message.split(" ", 1)[0].split("[", 1)[0]
-    return word if word.isidentifier() else None
+    return word if word in _SAMPLING_FIELDS else None
 
 
 class CompletionRequest(SamplingRequest):
