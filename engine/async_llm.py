@@ -54,6 +54,10 @@ StatsListener = Callable[[SchedulerStats, IterationStats], None]
 DeadListener = Callable[[EngineDeadError], None]
 
 
+# How often wait_until_idle looks again; a drain lasts seconds, so this costs nothing.
+_IDLE_POLL_INTERVAL_S = 0.05
+
+
 class QueueFullError(RuntimeError):
     """More requests are waiting in the engine core than `max_num_waiting` allows."""
 
@@ -215,9 +219,15 @@ class AsyncLLM:
         ))
         queue: asyncio.Queue[RequestOutput | EngineDeadError] = asyncio.Queue()
         self._queues[request_id] = queue
-        for request in core_requests:
-            self._client.send(AddRequest(request))
-        self._num_sequences_sent += len(core_requests)
+        try:
+            for request in core_requests:
+                self._client.send(AddRequest(request))
+                self._num_sequences_sent += 1
+        except EngineDeadError:
+            # The core is gone and its exit not yet seen: forget the request, fail it now.
+            self._queues.pop(request_id, None)
+            self.output_processor.abort([request_id])
+            raise
         return queue
 
     def _check_serving(self) -> None:
@@ -239,11 +249,17 @@ class AsyncLLM:
     def _abort(self, request_ids: list[str]) -> None:
         child_ids = [c for r in request_ids for c in self.output_processor.child_ids(r)]
         if child_ids and self.is_ready:
-            self._client.send(AbortRequests(child_ids, FinishReason.ABORT))
+            self._send_abort(child_ids, FinishReason.ABORT)
         for output in self.output_processor.abort(request_ids, self._pending_stats):
             queue = self._queues.pop(output.request_id, None)
             if queue is not None:
                 queue.put_nowait(output)
+
+    def _send_abort(self, child_ids: list[str], reason: FinishReason) -> None:
+        try:
+            self._client.send(AbortRequests(child_ids, reason))
+        except EngineDeadError:
+            logger.warning("abort of %s not sent: the engine core is gone", child_ids)
 
     # ------------------------------------------------------------------ outputs
     async def _run_output_loop(self) -> None:
@@ -270,7 +286,7 @@ class AsyncLLM:
         outputs, stopped = processor.process_outputs(core_outputs.outputs, iteration)
         if stopped:
             # The core cannot see text: free the sequences a stop string ended.
-            self._client.send(AbortRequests(stopped, FinishReason.STOP))
+            self._send_abort(stopped, FinishReason.STOP)
         for output in outputs:
             self._route(output)
         self.scheduler_stats = core_outputs.scheduler_stats
@@ -315,6 +331,15 @@ class AsyncLLM:
         for queue in queues.values():
             queue.put_nowait(error)
         self.output_processor = OutputProcessor(self.tokenizer)
+
+    async def wait_until_idle(self, timeout_s: float) -> bool:
+        """Waits until no request is in flight (a drain); False if `timeout_s` passed first."""
+        deadline = time.monotonic() + timeout_s
+        while self.output_processor.parents and not self.is_dead:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(_IDLE_POLL_INTERVAL_S)
+        return True
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stops the core process (asks, then terminates, then kills) and closes the sockets.

@@ -65,8 +65,8 @@ class CoreClient:
         self._ipc_dir = ipc_dir
         self._context = context
         self._async_context = async_context
-        # Sends are synchronous: with no high-water mark a send only queues the message
-        # for ZMQ's I/O thread, so it never blocks the event loop.
+        # Sends are synchronous: with no high-water mark a send to a connected core only
+        # queues the message for ZMQ's I/O thread, so it never blocks the event loop.
         self._input_socket = input_socket
         self._output_socket = output_socket
         self._encoder = msgspec.msgpack.Encoder()
@@ -94,6 +94,9 @@ class CoreClient:
                 "--input", input_address, "--output", output_address,
                 "--parent-pid", str(os.getpid()),
                 "--log-level", str(logging.getLogger("kvferry").getEffectiveLevel()),
+                # Its own session: a Ctrl-C or a signal to the server's process group does
+                # not reach it; the front end decides when and how it stops.
+                start_new_session=True,
             )
         except BaseException:
             client.close()
@@ -111,7 +114,15 @@ class CoreClient:
 
     # ------------------------------------------------------------------ messages
     def send(self, message: CoreInput) -> None:
-        self._input_socket.send(self._encoder.encode(message), copy=False)
+        """Queues a message for the core; EngineDeadError if the core is not connected.
+
+        ZMQ blocks a PUSH send while no peer is connected (a core not started yet, or
+        dead): NOBLOCK turns that into an error instead of a frozen event loop.
+        """
+        try:
+            self._input_socket.send(self._encoder.encode(message), zmq.NOBLOCK, copy=False)
+        except zmq.Again as exc:
+            raise EngineDeadError("the engine core process is not connected") from exc
 
     async def recv(self) -> CoreOutput:
         frame = await self._output_socket.recv(copy=False)
@@ -160,8 +171,9 @@ class CoreClient:
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         """Asks the core to exit, then terminates and kills it if it does not; closes all."""
         if self.is_alive() and not self._is_closed:
-            self.send(ShutdownCore())
-            await self._wait_exit(timeout_s)
+            with contextlib.suppress(EngineDeadError):  # not connected: it gets a signal
+                self.send(ShutdownCore())
+                await self._wait_exit(timeout_s)
         if self.is_alive():
             logger.warning("engine core did not exit within %.1f s; terminating it", timeout_s)
             self._signal(signal.SIGTERM)

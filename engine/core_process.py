@@ -87,7 +87,7 @@ class CoreAddresses:
     output: str
 
 
-class _ParentGone(Exception):
+class FrontEndGone(Exception):
     """The front end that started the core no longer exists."""
 
 
@@ -190,7 +190,7 @@ class EngineCoreProc:
         self._next_parent_check = now + PARENT_CHECK_INTERVAL_S
         # An orphan is re-parented (to init or a subreaper), so its parent pid changes.
         if os.getppid() != self.parent_pid:
-            raise _ParentGone(f"the front end (pid {self.parent_pid}) is gone")
+            raise FrontEndGone(f"the front end (pid {self.parent_pid}) is gone")
 
 
 # ---------------------------------------------------------------------- process entry
@@ -211,7 +211,7 @@ def run_engine_core(
     exit_code = 0
     try:
         _serve(config, input_socket, output_socket, parent_pid, encoder)
-    except _ParentGone as exc:
+    except FrontEndGone as exc:
         logger.warning("engine core exiting: %s", exc)
         output_socket.setsockopt(zmq.LINGER, 0)  # nobody will read what is left
     except Exception as exc:  # noqa: BLE001 - process boundary: report any failure, then exit

@@ -16,9 +16,20 @@ import pytest_asyncio
 from kvferry import LLM, SamplingParams
 from kvferry.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from kvferry.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvferry.engine.messages import SchedulerStats
+from kvferry.engine.messages import (
+    AddRequest,
+    CoreFailed,
+    CoreStepOutputs,
+    EngineCoreInfo,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineLimits,
+    FinishReason,
+    SchedulerStats,
+)
 from kvferry.engine.outputs import RequestOutput
 from kvferry.engine.stats import IterationStats
+from kvferry.engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -245,6 +256,15 @@ async def _drain(stream) -> list[RequestOutput]:  # noqa: ANN001
     return [out async for out in stream]
 
 
+async def test_wait_until_idle_waits_for_requests_in_flight(engine: AsyncLLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    task = asyncio.create_task(collect(engine, "drained", PROMPTS[0], params))
+    while engine.num_unfinished_requests() == 0:
+        await asyncio.sleep(0)
+    assert await engine.wait_until_idle(TIMEOUT_S)
+    assert task.done() and task.result()[-1].finished
+
+
 # ---------------------------------------------------------------------- validation
 @pytest.mark.parametrize(
     ("prompt", "params", "message"),
@@ -378,3 +398,94 @@ def _is_zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+# ---------------------------------------------------------------------- a stand-in core
+class FakeClient:
+    """The core's end of AsyncLLM's client, driven by the test."""
+
+    def __init__(self) -> None:
+        self.sent: list[object] = []
+        self.outputs: asyncio.Queue[object] = asyncio.Queue()
+        self.on_exit = None
+        self.pid = None
+
+    def send(self, message: object) -> None:
+        self.sent.append(message)
+
+    async def recv(self) -> object:
+        return await self.outputs.get()
+
+    def watch_exit(self, on_exit) -> None:  # noqa: ANN001
+        self.on_exit = on_exit
+
+    def describe_exit(self) -> str:
+        return "exited with code 3"
+
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        return None
+
+    def step(self, *outputs: EngineCoreOutput, num_received: int = 0) -> None:
+        self.outputs.put_nowait(CoreStepOutputs(
+            EngineCoreOutputs(list(outputs), SchedulerStats()), num_received
+        ))
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def fake(checkpoint: Path) -> AsyncIterator[tuple[AsyncLLM, FakeClient]]:
+    client = FakeClient()
+    info = EngineCoreInfo(
+        model_dir=str(checkpoint), architecture="LlamaForCausalLM",
+        limits=EngineLimits(MAX_MODEL_LEN, 256, 2048, True), eos_token_ids=[2],
+        block_size=16, num_blocks=NUM_BLOCKS,
+    )
+    tokenizer = Tokenizer.from_pretrained(checkpoint)
+    async_llm = AsyncLLM(make_config(checkpoint), client, info, tokenizer)  # type: ignore[arg-type]
+    try:
+        yield async_llm, client
+    finally:
+        await async_llm.shutdown()
+
+
+async def test_a_failed_sequence_ends_with_finish_reason_error(fake) -> None:  # noqa: ANN001
+    engine, client = fake
+    params = SamplingParams(max_tokens=4)
+    bad, good = engine.generate("bad", "w5", params), engine.generate("good", "w6", params)
+    bad_first, good_first = asyncio.ensure_future(anext(bad)), asyncio.ensure_future(anext(good))
+    await asyncio.sleep(0)
+    assert [m.request.req_id for m in client.sent if isinstance(m, AddRequest)] == [
+        "bad", "good"
+    ]
+    client.step(EngineCoreOutput("bad", [], finish_reason=FinishReason.ERROR),
+                EngineCoreOutput("good", [9]))
+    failed = await asyncio.wait_for(bad_first, TIMEOUT_S)
+    assert failed.finished and failed.outputs[0].finish_reason == "error"
+    assert (await asyncio.wait_for(good_first, TIMEOUT_S)).outputs[0].token_ids == [9]
+    client.step(EngineCoreOutput("good", [10], finish_reason=FinishReason.LENGTH))
+    rest = await asyncio.wait_for(_drain(good), TIMEOUT_S)
+    assert [c.token_ids for out in rest for c in out.outputs] == [[10]]
+
+
+async def test_a_failing_stats_listener_does_not_stop_outputs(fake) -> None:  # noqa: ANN001
+    engine, client = fake
+
+    def broken(_sched: SchedulerStats, _it: IterationStats) -> None:
+        raise RuntimeError("listener bug")
+
+    engine.add_stats_listener(broken)
+    stream = engine.generate("listened", "w5", SamplingParams(max_tokens=1))
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0)
+    client.step(EngineCoreOutput("listened", [9], finish_reason=FinishReason.LENGTH))
+    assert (await asyncio.wait_for(first, TIMEOUT_S)).finished
+
+
+async def test_core_failure_message_fails_requests_with_its_text(fake) -> None:  # noqa: ANN001
+    engine, client = fake
+    stream = engine.generate("in-flight", "w5", SamplingParams(max_tokens=4))
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0)
+    client.outputs.put_nowait(CoreFailed("RuntimeError: CUDA error: out of memory"))
+    with pytest.raises(EngineDeadError, match="CUDA error: out of memory"):
+        await asyncio.wait_for(first, TIMEOUT_S)
+    assert engine.is_dead and engine.dead_error is not None
