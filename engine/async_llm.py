@@ -46,7 +46,7 @@ from kvferry.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLM", "EngineDeadError", "QueueFullError", "StatsListener"]
+__all__ = ["AsyncLLM", "EngineDeadError", "QueueFullError", "StatsListener", "merge_deltas"]
 
 # Called once per core step's outputs, in the front end's event loop (the metrics hook).
 StatsListener = Callable[[SchedulerStats, IterationStats], None]
@@ -175,7 +175,7 @@ class AsyncLLM:
         is_finished = False
         try:
             while True:
-                item = await queue.get()
+                item = _take_merged(await queue.get(), queue)
                 if isinstance(item, EngineDeadError):
                     is_finished = True
                     raise EngineDeadError(*item.args)
@@ -203,10 +203,12 @@ class AsyncLLM:
         self._check_serving()
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        processed = (
-            prompt if isinstance(prompt, ProcessedPrompt)
-            else self.input_processor.process_prompt(prompt)
-        )
+        if isinstance(prompt, ProcessedPrompt):
+            # Built by the caller: checked here too, so that it never reaches the core invalid.
+            self.input_processor.limits.check_prompt(prompt.prompt_token_ids)
+            processed = prompt
+        else:
+            processed = self.input_processor.process_prompt(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         core_requests = self.input_processor.make_requests(
             request_id, processed, params, arrival, priority
@@ -271,6 +273,9 @@ class AsyncLLM:
                 elif isinstance(message, CoreFailed):
                     self._die(f"the engine core failed: {message.message}")
                     return
+                # A recv that finds a message waiting does not yield: let the consumers and
+                # HTTP handlers run between steps even when the core is ahead.
+                await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - boundary: fail requests rather than hang them
@@ -354,6 +359,39 @@ class AsyncLLM:
             await self._output_task
         await self._client.shutdown(timeout_s)
         self._fail_all(EngineDeadError("the engine was shut down"))
+
+
+def _take_merged(
+    item: RequestOutput | EngineDeadError,
+    queue: asyncio.Queue[RequestOutput | EngineDeadError],
+) -> RequestOutput | EngineDeadError:
+    """`item` merged with the deltas queued behind it, so that a consumer that fell behind
+    (a slow client) catches up in one output instead of one per step."""
+    while isinstance(item, RequestOutput) and not queue.empty():
+        later = queue.get_nowait()
+        if isinstance(later, EngineDeadError):
+            return later
+        item = merge_deltas(item, later)
+    return item
+
+
+def merge_deltas(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One DELTA output holding what `earlier` and then `later` (of one request) added."""
+    merged = {c.index: c for c in earlier.outputs}
+    for completion in later.outputs:
+        before = merged.get(completion.index)
+        if before is None:
+            merged[completion.index] = completion
+            continue
+        before.text += completion.text
+        before.token_ids = before.token_ids + completion.token_ids
+        if before.logprobs is not None and completion.logprobs is not None:
+            before.logprobs = before.logprobs + completion.logprobs
+        before.cumulative_logprob = completion.cumulative_logprob
+        before.finish_reason = completion.finish_reason
+        before.stop_reason = completion.stop_reason
+    later.outputs = sorted(merged.values(), key=lambda c: c.index)
+    return later
 
 
 def _load_tokenizer(config: EngineConfig, info: EngineCoreInfo) -> Tokenizer:

@@ -137,10 +137,23 @@ async def test_greedy_tokens_equal_llm_generate(engine: AsyncLLM, llm: LLM) -> N
         assert deltas[0].prompt_token_ids == want.prompt_token_ids
 
 
-async def test_deltas_stream_one_token_per_step(engine: AsyncLLM) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    deltas = await collect(engine, "stream", PROMPTS[0], params)
-    assert [len(out.outputs[0].token_ids) for out in deltas] == [1, 1, 1, 1, 1]
+async def test_a_consumer_that_falls_behind_gets_merged_deltas(
+    engine: AsyncLLM, llm: LLM
+) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, ignore_eos=True)
+    want = llm.generate([PROMPTS[0]], params)[0].outputs[0]
+    stream = engine.generate("behind", PROMPTS[0], params)
+    first = await asyncio.wait_for(anext(stream), TIMEOUT_S)
+    assert len(first.outputs[0].token_ids) == 1
+    await wait_for_stats(engine, lambda s: s.num_running_reqs == 0)  # all 12 steps are done
+    rest = await asyncio.wait_for(_drain(stream), TIMEOUT_S)
+    assert len(rest) == 1 and rest[0].finished
+    merged = rest[0].outputs[0]
+    assert first.outputs[0].token_ids + merged.token_ids == want.token_ids
+    assert first.outputs[0].text + merged.text == want.text
+    assert len(merged.logprobs) == 11
+    assert merged.finish_reason == "length"
+    assert merged.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-4)
 
 
 async def test_seeded_n2_equals_llm_generate(engine: AsyncLLM, llm: LLM) -> None:
