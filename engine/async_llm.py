@@ -12,9 +12,10 @@ outputs, feeds the `OutputProcessor` (DELTA outputs: only what is new), aborts i
 the sequences a stop string ended, calls the stats listeners, and puts each request's
 outputs on its own queue, from which `generate()` yields them.
 
-Death: a task awaits the core process's exit (engine/core_client.py); when the core ends without being asked to, every request in flight and every new one fails
-with `EngineDeadError` at once, and the dead listeners are told (the server exits non-zero
-so that Kubernetes restarts the pod).
+Death: a task awaits the core process's exit (engine/core_client.py). When the core ends
+without being asked to, every request in flight and every new one fails with
+`EngineDeadError` at once, and the dead listeners are told (the server exits non-zero so
+that Kubernetes restarts the pod).
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ Death: the core blocks on its input socket when idle (no busy spin) and wakes at
 the front end is gone (killed, out of memory) it exits, so no orphan keeps the model's memory.
 The front end watches the core's process sentinel (engine/async_llm.py).
 
-The loop is drain inputs -> step -> send; a pipeline-parallel executor (several steps in
-flight) or a KV connector (transfers finishing between steps) plugs in at `EngineCoreProc._run_busy` without
-changing the messages the front end sees.
+The loop is drain inputs -> step -> send. A pipeline-parallel executor (several steps in
+flight) or a KV connector (transfers finishing between steps) plugs in at
+`EngineCoreProc._run_busy` without changing the messages the front end sees.
 """
 
 from __future__ import annotations

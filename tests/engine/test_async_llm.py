@@ -7,7 +7,7 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -113,7 +113,9 @@ def final_completion(deltas: list[RequestOutput], index: int = 0):  # noqa: ANN2
     return next(c for out in reversed(deltas) for c in out.outputs if c.index == index)
 
 
-async def wait_for_stats(engine: AsyncLLM, check, timeout_s: float = 5.0) -> SchedulerStats:  # noqa: ANN001
+async def wait_for_stats(
+    engine: AsyncLLM, check: Callable[[SchedulerStats], bool], timeout_s: float = 5.0
+) -> SchedulerStats:
     deadline = time.monotonic() + timeout_s
     while not check(engine.scheduler_stats):
         assert time.monotonic() < deadline, f"stats never matched: {engine.scheduler_stats}"

@@ -215,7 +215,10 @@ def test_idle_loop_exits_when_the_front_end_is_gone() -> None:
     core_input.bind("inproc://orphan-input")
     try:
         # Not our parent's pid: as if the front end had died and we had been re-parented.
-        proc = EngineCoreProc(FakeCore(), core_input, core_output, os.getppid() + 1_000_000)  # type: ignore[arg-type]
+        not_our_parent = os.getppid() + 1_000_000
+        proc = EngineCoreProc(  # type: ignore[arg-type] - a stand-in core
+            FakeCore(), core_input, core_output, not_our_parent
+        )
         started = time.monotonic()
         with pytest.raises(FrontEndGone):
             proc.run()
