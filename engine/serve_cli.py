@@ -143,6 +143,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from kvferry.engine.server.api_server import ServerSettings, serve
 
+    # The engine core (a child process, which inherits this) shares the machine's cores with
+    # the HTTP front end: idle OpenMP workers must sleep, not spin, between its parallel
+    # regions, or they take the front end's CPU. A value the user set wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
     try:
         pod_environment(os.environ)
         config = engine_config_from_args(args)

@@ -204,6 +204,21 @@ def _chunk_json(job: ChatJob, chunk_choices: list[ChatChunkChoice], choices: lis
     if with_usage:
         usage = UsageInfo.of(job.record.num_prompt_tokens,
                              sum(len(c.token_ids) for c in choices))
+    if usage is None and len(chunk_choices) == 1 and chunk_choices[0].logprobs is None \
+            and chunk_choices[0].delta.role is None:
+        return _content_chunk_json(job, chunk_choices[0])
     chunk = ChatCompletionChunk(id=job.response_id, created=job.created, model=job.model,
                                 choices=chunk_choices, usage=usage)
     return chunk.model_dump_json()
+
+
+def _content_chunk_json(job: ChatJob, choice: ChatChunkChoice) -> str:
+    """The common chunk (one choice, content only) written directly: one per token per
+    stream, so it skips building a model. Same fields and order as ChatCompletionChunk's."""
+    return (
+        f'{{"id":"{job.response_id}","object":"chat.completion.chunk","created":{job.created},'
+        f'"model":{json.dumps(job.model)},"choices":[{{"index":{choice.index},'
+        f'"delta":{{"content":{json.dumps(choice.delta.content)}}},"logprobs":null,'
+        f'"finish_reason":{json.dumps(choice.finish_reason)},'
+        f'"stop_reason":{json.dumps(choice.stop_reason)}}}],"usage":null}}'
+    )

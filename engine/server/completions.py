@@ -206,6 +206,20 @@ def _chunk_json(job: CompletionJob, chunk_choices: list[CompletionChoice],
     if with_usage:
         num_output = sum(len(c.token_ids) for c in choices.values())
         usage = UsageInfo.of(job.record.num_prompt_tokens, num_output)
+    if usage is None and len(chunk_choices) == 1 and chunk_choices[0].logprobs is None:
+        return _text_chunk_json(job, chunk_choices[0])
     response = CompletionResponse(id=job.response_id, created=job.created, model=job.model,
                                   choices=chunk_choices, usage=usage)
     return response.model_dump_json()
+
+
+def _text_chunk_json(job: CompletionJob, choice: CompletionChoice) -> str:
+    """The common chunk (one choice, text only) written directly: one per token per stream,
+    so it skips building a model. Same fields and order as CompletionResponse's JSON."""
+    return (
+        f'{{"id":"{job.response_id}","object":"text_completion","created":{job.created},'
+        f'"model":{json.dumps(job.model)},"choices":[{{"index":{choice.index},'
+        f'"text":{json.dumps(choice.text)},"logprobs":null,'
+        f'"finish_reason":{json.dumps(choice.finish_reason)},'
+        f'"stop_reason":{json.dumps(choice.stop_reason)}}}],"usage":null}}'
+    )

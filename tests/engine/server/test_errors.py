@@ -4,6 +4,7 @@ serving; schema fuzzing of both generation endpoints finds no 5xx."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import Any
 
 import httpx
@@ -171,52 +172,64 @@ JSON_VALUES = st.recursive(
                                                                  max_size=3),
     max_leaves=6,
 )
-SMALL_INTS = st.integers(min_value=-3, max_value=6) | st.integers()
-FLOATS = st.floats(allow_nan=False, allow_infinity=False) | st.floats(-1, 3)
-PROMPTS = (st.text(max_size=20) | st.lists(st.integers(-5, 300), max_size=6)
-           | st.lists(st.text(max_size=6), max_size=3)
-           | st.lists(st.lists(st.integers(-2, 300), max_size=4), max_size=3))
-SAMPLING_FIELDS = {
-    "model": st.sampled_from(["tiny", "other"]) | JSON_VALUES,
-    "n": SMALL_INTS,
-    "temperature": FLOATS | st.text(max_size=4),
-    "top_p": FLOATS,
-    "top_k": SMALL_INTS,
-    "min_p": FLOATS,
-    "seed": st.integers(),
-    "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=3) | JSON_VALUES,
-    "stop_token_ids": st.lists(st.integers(), max_size=3),
-    "presence_penalty": FLOATS,
-    "frequency_penalty": FLOATS,
-    "repetition_penalty": FLOATS,
-    "ignore_eos": st.booleans() | JSON_VALUES,
-    "min_tokens": SMALL_INTS,
+# Valid values of every field (bodies built from them are mostly accepted) ...
+VALID_SAMPLING = {
+    "model": st.just("tiny"),
+    "n": st.integers(1, 3),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(-1, 50),
+    "min_p": st.floats(0, 1),
+    "seed": st.integers(0, 2**63 - 1),
+    "stop": st.text(min_size=1, max_size=4) | st.lists(st.text(min_size=1, max_size=4),
+                                                        max_size=3),
+    "stop_token_ids": st.lists(st.integers(0, 255), max_size=3),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2),
+    "ignore_eos": st.booleans(),
+    "min_tokens": st.integers(0, 2),
     "stream": st.booleans(),
-    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()})
-    | JSON_VALUES,
-    "priority": st.integers(),
-    "user": st.text(max_size=5) | JSON_VALUES,
-    "max_tokens": st.integers(-2, 8) | st.integers() | JSON_VALUES,
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
+    "priority": st.integers(-10, 10),
+    "user": st.text(max_size=5),
+    "max_tokens": st.integers(2, 8),
 }
-COMPLETION_BODIES = st.fixed_dictionaries({}, optional={
-    **SAMPLING_FIELDS,
-    "prompt": PROMPTS | JSON_VALUES,
-    "logprobs": st.integers(-1, 25) | JSON_VALUES,
-    "echo": st.booleans(),
-})
-MESSAGES = st.lists(st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "system", "assistant"]) | JSON_VALUES},
-    optional={"content": st.text(max_size=12) | st.lists(st.fixed_dictionaries(
-        {"type": st.sampled_from(["text", "image_url"])}, optional={"text": st.text(max_size=5)}),
-        max_size=2) | JSON_VALUES, "name": st.text(max_size=3)}), max_size=3)
-CHAT_BODIES = st.fixed_dictionaries({}, optional={
-    **SAMPLING_FIELDS,
-    "messages": MESSAGES | JSON_VALUES,
-    "logprobs": st.booleans() | JSON_VALUES,
-    "top_logprobs": st.integers(-1, 25),
-    "max_completion_tokens": st.integers(-2, 8) | st.integers(),
-    "add_generation_prompt": st.booleans(),
-})
+VALID_PROMPTS = (st.text(min_size=1, max_size=20) | st.lists(st.integers(0, 255), min_size=1,
+                                                             max_size=6)
+                 | st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=3))
+VALID_COMPLETION = st.fixed_dictionaries({"prompt": VALID_PROMPTS}, optional={
+    **VALID_SAMPLING, "logprobs": st.integers(0, 5), "echo": st.booleans()})
+VALID_MESSAGES = st.lists(st.fixed_dictionaries({
+    "role": st.sampled_from(["user", "system", "assistant"]),
+    "content": st.text(max_size=12)}), min_size=1, max_size=3)
+VALID_CHAT = st.fixed_dictionaries({"messages": VALID_MESSAGES}, optional={
+    **VALID_SAMPLING, "logprobs": st.booleans(), "max_completion_tokens": st.integers(2, 8),
+    "add_generation_prompt": st.booleans()})
+# ... and any JSON for any field: a hostile or buggy client.
+COMPLETION_FIELDS = [*VALID_SAMPLING, "prompt", "logprobs", "echo", "add_special_tokens"]
+CHAT_FIELDS = [*VALID_SAMPLING, "messages", "logprobs", "top_logprobs", "max_completion_tokens",
+               "add_generation_prompt", "chat_template_kwargs"]
+ANY_VALUE = JSON_VALUES | st.integers() | st.floats(allow_nan=False)
+
+
+def _perturbed(valid: st.SearchStrategy, fields: list[str]) -> st.SearchStrategy:
+    """A valid body with one to three fields replaced by arbitrary JSON."""
+    changes = st.dictionaries(st.sampled_from(fields), ANY_VALUE, min_size=1, max_size=3)
+    return st.tuples(valid, changes).map(lambda pair: {**pair[0], **pair[1]})
+
+
+def _arbitrary(fields: list[str]) -> st.SearchStrategy:
+    return st.dictionaries(st.sampled_from(fields), ANY_VALUE, max_size=6)
+
+
+COMPLETION_BODIES = st.one_of(VALID_COMPLETION, _perturbed(VALID_COMPLETION, COMPLETION_FIELDS),
+                              _arbitrary(COMPLETION_FIELDS))
+CHAT_BODIES = st.one_of(VALID_CHAT, _perturbed(VALID_CHAT, CHAT_FIELDS), _arbitrary(CHAT_FIELDS))
+
+
+# Status codes the fuzzers saw, by path: the strategies must reach both valid and invalid.
+FUZZ_STATUSES: dict[str, Counter[int]] = {}
 
 
 def _check_no_5xx(http: httpx.Client, path: str, body: dict[str, Any]) -> None:
@@ -228,6 +241,7 @@ def _check_no_5xx(http: httpx.Client, path: str, body: dict[str, Any]) -> None:
     response = http.post(path, content=json.dumps(body),
                          headers={"Content-Type": "application/json"})
     assert response.status_code < 500, (body, response.text)
+    FUZZ_STATUSES.setdefault(path, Counter())[response.status_code] += 1
     if response.status_code >= 400:
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     elif body.get("stream") is True:
@@ -235,7 +249,7 @@ def _check_no_5xx(http: httpx.Client, path: str, body: dict[str, Any]) -> None:
         assert '"error"' not in response.text, response.text
 
 
-FUZZ_SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
+FUZZ_SETTINGS = settings(max_examples=300, deadline=None, derandomize=True,
                          suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                 HealthCheck.too_slow])
 
@@ -253,5 +267,8 @@ def test_fuzz_chat_never_5xx(http: httpx.Client, body: dict[str, Any]) -> None:
 
 
 def test_fuzzing_left_the_server_serving(http: httpx.Client) -> None:
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        statuses = FUZZ_STATUSES.get(path, Counter())
+        assert statuses[200] >= 30 and statuses[400] >= 30, (path, statuses)
     assert_still_serving(http)
     assert http.get("/health").status_code == 200
