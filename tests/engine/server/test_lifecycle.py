@@ -120,7 +120,7 @@ async def _until(condition: Callable[[], bool], timeout_s: float = 20.0) -> None
 
 def test_engine_death_fails_requests_and_exits_non_zero(
         server_factory: Callable[..., ServerProcess], untemplated_model: Path) -> None:
-    server = server_factory(untemplated_model)
+    server = server_factory(untemplated_model, "--max-model-len", "1024")
     no_template = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
                              json={"messages": [{"role": "user", "content": "w5"}]})
     assert no_template.status_code == 400
@@ -132,13 +132,13 @@ def test_engine_death_fails_requests_and_exits_non_zero(
 
 async def _check_death(server: ServerProcess) -> None:
     url = server.url
-    streams = [asyncio.create_task(_stream(url, _long_body(240))) for _ in range(2)]
+    streams = [asyncio.create_task(_stream(url, _long_body(1000))) for _ in range(2)]
 
     async def whole() -> tuple[int, float]:
         start = time.monotonic()
         async with httpx.AsyncClient(timeout=60) as client:
             response = await client.post(f"{url}/v1/completions", json={
-                "prompt": "w7", "max_tokens": 240, "ignore_eos": True})
+                "prompt": "w7", "max_tokens": 1000, "ignore_eos": True})
         return response.status_code, time.monotonic() - start
 
     plain = asyncio.create_task(whole())
