@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -36,7 +37,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+# The OpenMP wait policy `kvferry serve` gives its engine core; the offline baseline in this
+# process gets the same, set before torch loads, so both sides run the same kernels the same
+# way (spinning workers are much slower on a busy machine, and would skew the ratio).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import ModelShape, build_checkpoint  # noqa: E402
