@@ -357,13 +357,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="measure offline and saturation this many times, keep the best "
                              "of each (steadier on a shared machine)")
     parser.add_argument("--quick", action="store_true", help="tiny model and workload (seconds)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.model = None
-        args.num_requests = min(args.num_requests, 48)
-        args.input_len, args.output_len = "8,32", "8,24"
-        args.request_rates = "8,inf"
-    return args
+    if parser.parse_args(argv).quick:
+        # Smaller defaults; options given on the command line still win.
+        parser.set_defaults(model=None, num_requests=48, input_len="8,32", output_len="8,24",
+                            request_rates="8,inf")
+    return parser.parse_args(argv)
 
 
 def _pair(text: str) -> tuple[int, int]:

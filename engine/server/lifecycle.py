@@ -16,9 +16,12 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Coroutine
 from types import FrameType
+from typing import Any
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from kvferry.engine.config import EngineConfig
 from kvferry.engine.server.chat_template import compile_template, load_chat_template
@@ -121,13 +124,13 @@ class Lifecycle:
         if self.server is not None:
             self.server.should_exit = True
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     # ---------------------------------------------------------------- the whole run
-    async def run(self, app: object) -> int:
+    async def run(self, app: ASGIApp) -> int:
         settings = self.state.settings
         config = uvicorn.Config(
             app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,

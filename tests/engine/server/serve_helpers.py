@@ -16,7 +16,7 @@ import httpx
 
 API_KEY = "test-key"
 # The tiny checkpoint's limits, shared by the server and the offline comparisons.
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 1024
 KV_CACHE_BYTES = 64 * 1024 * 1024
 START_TIMEOUT_S = 180.0
 
@@ -90,7 +90,7 @@ class ServerProcess:
     def engine_pid(self) -> int:
         """The engine-core process: the server's child running kvferry.engine.core_process."""
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
-                             text=True).stdout.split()
+                             text=True, check=False).stdout.split()
         for pid in out:
             with contextlib.suppress(OSError):
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
