@@ -66,13 +66,31 @@ def test_drain_on_sigterm_with_a_template_override_and_a_queue_limit(
     template.write_text(CHAT_TEMPLATE)
     server = server_factory(untemplated_model, "--chat-template", str(template),
                             "--max-num-seqs", "1", "--max-num-waiting", "2",
-                            "--max-model-len", "1024", "--drain-timeout", "120")
+                            "--max-model-len", "1024", "--drain-timeout", "120", wait=False)
+    _check_loading(server)
+    server.wait_ready()
     # While the model loaded, /ping answered 200 and /health 503.
     assert (200, 503) in server.probes
     _check_template_override(server)
     asyncio.run(_check_queue_limit_then_drain(server))
     assert server.proc.wait(timeout=30) == 0
     assert "SIGTERM: draining" in server.log()
+
+
+def _check_loading(server: ServerProcess) -> None:
+    """The HTTP server answers before the engine has loaded: 503s, and /ping 200."""
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline and server.proc.poll() is None, server.log()
+        try:
+            if httpx.get(f"{server.url}/ping", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.02)
+    response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "w5"}, timeout=10)
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["message"] == "the model is loading; retry shortly"
+    assert httpx.get(f"{server.url}/health", timeout=2).status_code == 503
 
 
 def _check_template_override(server: ServerProcess) -> None:
