@@ -9,6 +9,7 @@ step produced.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 import torch
@@ -109,13 +110,30 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Schedules, executes and updates one step; returns what it produced."""
         scheduler_output = self.scheduler.schedule()
+        queue_times = self._queue_times(scheduler_output)
         try:
             runner_output = self.runner.execute_model(scheduler_output)
         except Exception:  # noqa: BLE001 - one bad step must not take every request down
             outputs = self._fail_step(scheduler_output)
         else:
             outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return EngineCoreOutputs(outputs, self.scheduler.make_stats())
+        return EngineCoreOutputs(outputs, self.scheduler.make_stats(), queue_times)
+
+    def _queue_times(self, scheduler_output: SchedulerOutput) -> dict[str, float]:
+        """Seconds each sequence first scheduled this step waited since its arrival.
+
+        Arrival times are on the front end's `time.monotonic()` clock, which is system-wide,
+        so the difference holds when the core runs in another process.
+        """
+        new_reqs = scheduler_output.scheduled_new_reqs
+        if not new_reqs:
+            return {}
+        now = time.monotonic()
+        requests = self.scheduler.requests
+        return {
+            r.req_id: max(now - requests[r.req_id].arrival_time, 0.0)
+            for r in new_reqs if not r.is_resumed
+        }
 
     def _fail_step(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
         failed = self.scheduler.fail_step(scheduler_output)

@@ -121,6 +121,7 @@ class LLMEngine:
         """Runs one step: schedule, execute, update. Returns outputs of requests that moved."""
         core_outputs = self.engine_core.step()
         iteration = IterationStats()
+        self.output_processor.record_queue_times(core_outputs.queue_times, iteration)
         outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs, iteration)
         if stopped:
             self.engine_core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)

@@ -90,6 +90,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True):
 
     outputs: list[EngineCoreOutput]
     scheduler_stats: SchedulerStats
+    # Sequences this step scheduled for the first time -> seconds they waited since arrival
+    # (a sequence resumed after preemption is not counted again).
+    queue_times: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class EngineLimits(msgspec.Struct, array_like=True, frozen=True):
@@ -143,3 +146,54 @@ class EngineCoreInfo(msgspec.Struct, array_like=True, frozen=True):
     block_size: int
     # KV blocks in the pool, the null block included.
     num_blocks: int
+
+
+# ---------------------------------------------------------------- the engine-core socket
+# `kvferry serve` runs the core in its own process (engine/core_process.py). Each message
+# kind is its own tagged struct, so one msgpack decoder per direction reads a union of them.
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    """Front end -> core: queue one sequence."""
+
+    request: EngineCoreRequest
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    """Front end -> core: finish sequences wherever they are and free their blocks."""
+
+    req_ids: list[str]
+    # ABORT when the caller went away; STOP when the front end found a stop string.
+    finish_reason: FinishReason = FinishReason.ABORT
+
+
+class ShutdownCore(msgspec.Struct, tag=True, array_like=True):
+    """Front end -> core: exit the loop and the process."""
+
+
+CoreInput = AddRequest | AbortRequests | ShutdownCore
+
+
+class CoreReady(msgspec.Struct, tag=True, array_like=True):
+    """Core -> front end, once: the model is loaded and the loop is about to start."""
+
+    info: EngineCoreInfo
+
+
+class CoreStepOutputs(msgspec.Struct, tag=True, array_like=True):
+    """Core -> front end, once per step (and once after inputs that left it idle)."""
+
+    outputs: EngineCoreOutputs
+    # AddRequest messages the core has received so far: the front end subtracts it from
+    # what it sent to count the requests still in the socket, waiting but not in the stats.
+    num_requests_received: int
+
+
+class CoreFailed(msgspec.Struct, tag=True, array_like=True):
+    """Core -> front end, last message: loading or the loop failed; the process exits."""
+
+    # The exception's type and text, for the front end's error and the logs.
+    message: str
+
+
+CoreOutput = CoreReady | CoreStepOutputs | CoreFailed

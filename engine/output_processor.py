@@ -164,6 +164,18 @@ class OutputProcessor:
         ]
         return outputs, stopped_by_string
 
+    def record_queue_times(self, queue_times: dict[str, float], stats: IterationStats) -> None:
+        """Records, once per request, how long it waited until the core first scheduled it.
+
+        `queue_times` maps core request ids to seconds; of an `n > 1` request the first
+        child scheduled counts.
+        """
+        for req_id, seconds in queue_times.items():
+            parent = self.child_to_parent.get(req_id)
+            if parent is not None and parent.metrics.queue_time is None:
+                parent.metrics.queue_time = seconds
+                stats.queue_times.append(seconds)
+
     def _append(self, child: ChildState, output: EngineCoreOutput) -> str | None:
         child.token_ids.extend(output.new_token_ids)
         if child.want_logprobs and output.new_logprobs:
@@ -230,8 +242,12 @@ class OutputProcessor:
             metrics=parent.metrics,
         )
 
-    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
-        """Marks parents aborted; returns their final outputs."""
+    def abort(
+        self, request_ids: list[str], stats: IterationStats | None = None
+    ) -> list[RequestOutput]:
+        """Marks parents aborted; returns their final outputs (their latencies and finish
+        reasons go to `stats` when given)."""
+        stats = IterationStats() if stats is None else stats
         outputs = []
         for request_id in request_ids:
             parent = self.parents.get(request_id)
@@ -240,7 +256,7 @@ class OutputProcessor:
             for child in parent.children.values():
                 if child.finish_reason is None:
                     child.finish_reason = FinishReason.ABORT
-            output = self._make_output(parent, time.monotonic(), IterationStats())
+            output = self._make_output(parent, time.monotonic(), stats)
             if output is not None:
                 outputs.append(output)
         return outputs

@@ -44,6 +44,8 @@ class RequestMetrics:
     """Timestamps (time.monotonic) of one request."""
 
     arrival_time: float
+    # Seconds from arrival until the core first scheduled one of the request's sequences.
+    queue_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None

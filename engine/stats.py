@@ -20,6 +20,8 @@ class IterationStats:
     # Seconds from arrival to finish, with each finished request's finish reason.
     e2e_latencies: list[float] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
+    # Seconds from arrival until first scheduled, for requests first scheduled this step.
+    queue_times: list[float] = field(default_factory=list)
 
 
 @dataclass

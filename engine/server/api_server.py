@@ -1,0 +1,222 @@
+"""The FastAPI app of `kvferry serve` and its routes.
+
+A pure-ASGI gate in front of the routes gives every request an id (the client's
+`X-Request-Id` or a new one, returned in the response), checks the API key, answers 503
+while the engine is loading, draining or dead, and counts the generation requests in
+flight (streams included) so that a drain knows when they are done. The process lifecycle
+(loading, SIGTERM drain, engine death) is in lifecycle.py.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import uuid
+from importlib import metadata
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvferry.engine.config import EngineConfig
+from kvferry.engine.server.chat import chat_prompt, create_chat_completion
+from kvferry.engine.server.completions import create_completion
+from kvferry.engine.server.errors import ApiError, bad_request, error_response, install_error_handlers
+from kvferry.engine.server.metrics import PROMETHEUS_CONTENT_TYPE
+from kvferry.engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    now,
+)
+from kvferry.engine.server.serving import check_model
+from kvferry.engine.server.state import ServerSettings, ServerState
+
+__all__ = ["ServerSettings", "ServerState", "build_app", "serve"]
+
+# Routes that need the API key and a serving engine.
+API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+# Routes whose requests a drain waits for.
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# A client's X-Request-Id is used when it is short and printable.
+_REQUEST_ID_PATTERN = re.compile(r"^[\x21-\x7e]{1,128}$")
+
+
+def version() -> str:
+    try:
+        return metadata.version("kvferry")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class RequestGate:
+    """Request ids, API key, availability (503) and the in-flight count, before any route."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _request_id(scope)
+        scope.setdefault("state", {})["request_id"] = request_id
+        send = _with_request_id_header(send, request_id)
+        path: str = scope["path"]
+        if path.startswith(API_PREFIXES):
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        if path not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.state.request_started()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.request_finished()
+
+    def _refusal(self, scope: Scope) -> Response | None:
+        api_key = self.state.settings.api_key
+        if api_key is not None and not _has_key(scope, api_key):
+            return error_response(401, "missing or wrong API key: send 'Authorization: Bearer "
+                                       "<key>'", code="invalid_api_key")
+        reason = self.state.unavailable_reason()
+        if reason is not None:
+            return error_response(503, reason, code="service_unavailable")
+        return None
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _request_id(scope: Scope) -> str:
+    given = _header(scope, b"x-request-id")
+    if given is not None and _REQUEST_ID_PATTERN.match(given):
+        return given
+    return uuid.uuid4().hex
+
+
+def _has_key(scope: Scope, api_key: str) -> bool:
+    header = _header(scope, b"authorization") or ""
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              api_key.encode())
+
+
+def _with_request_id_header(send: Send, request_id: str) -> Send:
+    async def send_with_id(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", ()))
+            headers.append((b"x-request-id", request_id.encode("latin-1")))
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return send_with_id
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The app over `state` (its engine may still be loading)."""
+    app = FastAPI(title="kvferry", version=version(), docs_url="/docs", redoc_url=None)
+    install_error_handlers(app)
+    _add_generation_routes(app, state)
+    _add_info_routes(app, state)
+    _add_token_routes(app, state)
+    _add_probe_routes(app, state)
+    app.add_middleware(RequestGate, state=state)
+    return app
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(state, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(state, body, request)
+
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        engine = state.engine
+        assert engine is not None
+        card = ModelCard(id=state.served_model_name, created=now(),
+                         root=engine.config.model.model,
+                         max_model_len=engine.input_processor.limits.max_model_len)
+        return ModelList(data=[card])
+
+    @app.get("/version")
+    async def get_version() -> dict[str, str]:
+        return {"version": version()}
+
+
+def _add_token_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        engine = state.engine
+        assert engine is not None
+        check_model(body.model, state.served_model_name)
+        if body.messages is not None:
+            conversation = [{"role": m.role, "content": m.text(i)}
+                            for i, m in enumerate(body.messages)]
+            _, ids = chat_prompt(state, engine, conversation, body.add_generation_prompt)
+        elif body.prompt is not None:
+            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise bad_request("send either 'prompt' (text) or 'messages'", param="prompt")
+        strs = None
+        if body.return_token_strs:
+            strs = [engine.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+        return TokenizeResponse(count=len(ids), tokens=ids, token_strs=strs,
+                                max_model_len=engine.input_processor.limits.max_model_len)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        engine = state.engine
+        assert engine is not None
+        check_model(body.model, state.served_model_name)
+        vocab_size = engine.input_processor.limits.vocab_size
+        for index, token in enumerate(body.tokens):
+            if not 0 <= token < vocab_size:
+                raise bad_request(f"tokens[{index}] = {token} is outside the vocabulary "
+                                  f"[0, {vocab_size})", param="tokens")
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+
+
+def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        reason = state.unavailable_reason()
+        if reason is not None:
+            raise ApiError(503, reason, code="service_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/ping")
+    async def ping() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = state.metrics.render() if state.metrics is not None else b""
+        return Response(body, media_type=PROMETHEUS_CONTENT_TYPE)
+
+
+def serve(config: EngineConfig, settings: ServerSettings) -> int:
+    """Runs the server until it is drained or its engine dies; returns the exit code."""
+    from kvferry.engine.server.lifecycle import run_server
+
+    return run_server(config, settings)
+

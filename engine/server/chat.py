@@ -1,0 +1,224 @@
+"""POST /v1/chat/completions: messages rendered with the chat template, then generated like a
+completion; answered whole or as `chat.completion.chunk` SSE events."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvferry.engine.async_llm import AsyncLLM
+from kvferry.engine.input_processor import ProcessedPrompt
+from kvferry.engine.outputs import Logprob
+from kvferry.engine.sampling_params import SamplingParams
+from kvferry.engine.server.chat_template import render_chat
+from kvferry.engine.server.errors import ApiError, error_body
+from kvferry.engine.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    TopLogprob,
+    UsageInfo,
+    now,
+    random_id,
+)
+from kvferry.engine.server.serving import (
+    SSE_DONE,
+    ChoiceState,
+    RequestRecord,
+    abort_on_disconnect,
+    check_model,
+    check_queue_room,
+    check_request_fits,
+    engine_error,
+    process_prompt,
+    sse,
+    stream_outputs,
+)
+from kvferry.engine.server.state import ServerState
+
+
+@dataclass
+class ChatJob:
+    """One chat request, rendered, checked and ready to run."""
+
+    body: ChatCompletionRequest
+    engine: AsyncLLM
+    response_id: str
+    model: str
+    created: int
+    prompt: ProcessedPrompt
+    params: SamplingParams
+    record: RequestRecord
+
+    async def abort(self) -> None:
+        await self.engine.abort(self.response_id)
+
+
+async def create_chat_completion(
+    state: ServerState, body: ChatCompletionRequest, request: Request
+) -> Response:
+    job = prepare(state, body, request)
+    if body.stream:
+        return StreamingResponse(stream_chat(job, request), media_type="text/event-stream")
+    return JSONResponse((await collect_chat(job, request)).model_dump())
+
+
+def chat_prompt(state: ServerState, engine: AsyncLLM, messages: list[dict[str, object]],
+                add_generation_prompt: bool,
+                extra: dict[str, object] | None = None) -> tuple[str, list[int]]:
+    """The rendered conversation and its token ids (the template holds the special tokens)."""
+    tokenizer = engine.tokenizer
+    text = render_chat(
+        state.chat_template, messages, add_generation_prompt=add_generation_prompt,
+        special_tokens={"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token},
+        extra=extra,
+    )
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def prepare(state: ServerState, body: ChatCompletionRequest, request: Request) -> ChatJob:
+    engine = state.engine
+    assert engine is not None  # the middleware answers 503 until the engine is loaded
+    record = RequestRecord(request.state.request_id, "chat")
+    check_model(body.model, state.served_model_name)
+    params = body.to_sampling_params()
+    text, ids = chat_prompt(state, engine, body.conversation(),
+                            body.add_generation_prompt, body.chat_template_kwargs)
+    prompt = process_prompt(engine, {"prompt": text, "prompt_token_ids": ids}, "messages")
+    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
+        else "max_tokens"
+    check_request_fits(engine, [prompt], params, max_tokens_param)
+    check_queue_room(engine, state.settings.max_num_waiting)
+    record.num_prompt_tokens = len(prompt.prompt_token_ids)
+    if state.settings.log_prompts:
+        record.prompt_text = text
+    return ChatJob(body, engine, random_id("chatcmpl"), state.served_model_name, now(),
+                   prompt, params, record)
+
+
+async def collect_chat(job: ChatJob, request: Request) -> ChatCompletionResponse:
+    choices = [ChoiceState() for _ in range(job.params.n)]
+    try:
+        async with abort_on_disconnect(request.receive, job.abort):
+            async for _, output in stream_outputs(
+                job.engine, [job.response_id], [job.prompt], job.params, job.body.priority
+            ):
+                for delta in output.outputs:
+                    choices[delta.index].add(delta)
+    except (ValueError, RuntimeError) as exc:
+        job.record.error = str(exc)
+        raise engine_error(exc) from None
+    finally:
+        job.record.finish(choices)
+        job.record.log()
+    return ChatCompletionResponse(
+        id=job.response_id, created=job.created, model=job.model,
+        choices=[
+            ChatChoice(
+                index=i, message=ChatResponseMessage(content=c.text),
+                logprobs=_logprobs(job, c.token_ids, c.logprobs),
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            )
+            for i, c in enumerate(choices)
+        ],
+        usage=UsageInfo.of(job.record.num_prompt_tokens, job.record.num_output_tokens),
+    )
+
+
+
+def _logprobs(job: ChatJob, token_ids: list[int],
+              positions: list[dict[int, Logprob]] | None) -> ChatLogprobs | None:
+    if job.params.logprobs is None:
+        return None
+    return chat_logprobs(token_ids, positions or [], job.params.logprobs)
+
+
+def chat_logprobs(token_ids: list[int], positions: list[dict[int, Logprob]],
+                  num_top: int) -> ChatLogprobs:
+    """Per token: its text, logprob and UTF-8 bytes, and the `num_top` most likely tokens."""
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        sampled = position.get(token_id)
+        token = (sampled.decoded_token if sampled else None) or ""
+        top = sorted(position.values(), key=lambda lp: lp.rank)[:num_top]
+        content.append(ChatTokenLogprob(
+            token=token, logprob=sampled.logprob if sampled else float("-inf"),
+            bytes=list(token.encode()),
+            top_logprobs=[
+                TopLogprob(token=lp.decoded_token or "", logprob=lp.logprob,
+                           bytes=list((lp.decoded_token or "").encode()))
+                for lp in top
+            ],
+        ))
+    return ChatLogprobs(content=content)
+
+
+async def stream_chat(job: ChatJob, request: Request) -> AsyncIterator[bytes]:
+    choices = [ChoiceState() for _ in range(job.params.n)]
+    body = job.body
+    try:
+        async with abort_on_disconnect(request.receive, job.abort):
+            async for _, output in stream_outputs(
+                job.engine, [job.response_id], [job.prompt], job.params, body.priority
+            ):
+                for delta in output.outputs:
+                    choice = choices[delta.index]
+                    if not choice.started:
+                        choice.started = True
+                        first = ChatChunkChoice(index=delta.index,
+                                                delta=ChatDelta(role="assistant", content=""))
+                        yield sse(_chunk_json(job, [first], choices, False))
+                    choice.add(delta)
+                    if not delta.text and delta.finish_reason is None and not delta.logprobs:
+                        continue  # held back: it may begin a stop string
+                    chunk = ChatChunkChoice(
+                        index=delta.index, delta=ChatDelta(content=delta.text),
+                        logprobs=_logprobs(job, delta.token_ids, delta.logprobs),
+                        finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+                    yield sse(_chunk_json(job, [chunk], choices, body.continuous_usage))
+        if body.include_usage:
+            yield sse(_chunk_json(job, [], choices, True))
+    except (ValueError, RuntimeError, ApiError) as exc:
+        job.record.error = str(exc)
+        error = exc if isinstance(exc, ApiError) else engine_error(exc)
+        yield sse(json.dumps(error_body(error.status, error.message, error.param, error.code)))
+    finally:
+        job.record.finish(choices)
+        job.record.log()
+    yield SSE_DONE
+
+
+def _chunk_json(job: ChatJob, chunk_choices: list[ChatChunkChoice], choices: list[ChoiceState],
+                with_usage: bool) -> str:
+    usage = None
+    if with_usage:
+        usage = UsageInfo.of(job.record.num_prompt_tokens,
+                             sum(len(c.token_ids) for c in choices))
+    if usage is None and len(chunk_choices) == 1 and chunk_choices[0].logprobs is None \
+            and chunk_choices[0].delta.role is None:
+        return _content_chunk_json(job, chunk_choices[0])
+    chunk = ChatCompletionChunk(id=job.response_id, created=job.created, model=job.model,
+                                choices=chunk_choices, usage=usage)
+    return chunk.model_dump_json()
+
+
+def _content_chunk_json(job: ChatJob, choice: ChatChunkChoice) -> str:
+    """The common chunk (one choice, content only) written directly: one per token per
+    stream, so it skips building a model. Same fields and order as ChatCompletionChunk's."""
+    return (
+        f'{{"id":"{job.response_id}","object":"chat.completion.chunk","created":{job.created},'
+        f'"model":{json.dumps(job.model)},"choices":[{{"index":{choice.index},'
+        f'"delta":{{"content":{json.dumps(choice.delta.content)}}},"logprobs":null,'
+        f'"finish_reason":{json.dumps(choice.finish_reason)},'
+        f'"stop_reason":{json.dumps(choice.stop_reason)}}}],"usage":null}}'
+    )

@@ -1,0 +1,225 @@
+"""POST /v1/completions: prompts in, completions out, whole or streamed as SSE chunks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvferry.engine.async_llm import AsyncLLM
+from kvferry.engine.input_processor import ProcessedPrompt
+from kvferry.engine.outputs import Logprob
+from kvferry.engine.sampling_params import SamplingParams
+from kvferry.engine.server.errors import ApiError, error_body
+from kvferry.engine.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    now,
+    random_id,
+)
+from kvferry.engine.server.serving import (
+    SSE_DONE,
+    ChoiceState,
+    RequestRecord,
+    abort_on_disconnect,
+    check_model,
+    check_queue_room,
+    check_request_fits,
+    engine_error,
+    process_prompt,
+    sse,
+    stream_outputs,
+    sub_request_ids,
+)
+from kvferry.engine.server.state import ServerState
+
+
+@dataclass
+class CompletionJob:
+    """One /v1/completions request, checked and ready to run."""
+
+    body: CompletionRequest
+    engine: AsyncLLM
+    response_id: str
+    model: str
+    created: int
+    prompts: list[ProcessedPrompt]
+    params: SamplingParams
+    record: RequestRecord
+
+    @property
+    def request_ids(self) -> list[str]:
+        return sub_request_ids(self.response_id, len(self.prompts))
+
+    def choice_index(self, prompt_index: int, index: int) -> int:
+        return prompt_index * self.params.n + index
+
+    def prompt_text(self, prompt_index: int) -> str:
+        prompt = self.prompts[prompt_index]
+        if prompt.prompt is not None:
+            return prompt.prompt
+        return self.engine.tokenizer.decode(prompt.prompt_token_ids, skip_special_tokens=False)
+
+    async def abort(self) -> None:
+        for request_id in self.request_ids:
+            await self.engine.abort(request_id)
+
+
+async def create_completion(
+    state: ServerState, body: CompletionRequest, request: Request
+) -> Response:
+    job = prepare(state, body, request)
+    if body.stream:
+        return StreamingResponse(stream_completion(job, request), media_type="text/event-stream")
+    return JSONResponse((await collect_completion(job, request)).model_dump())
+
+
+def prepare(state: ServerState, body: CompletionRequest, request: Request) -> CompletionJob:
+    engine = state.engine
+    assert engine is not None  # the middleware answers 503 until the engine is loaded
+    record = RequestRecord(request.state.request_id, "completions")
+    check_model(body.model, state.served_model_name)
+    params = body.to_sampling_params()
+    prompts = [_process(engine, p, body.add_special_tokens) for p in body.prompts()]
+    check_request_fits(engine, prompts, params, "max_tokens")
+    check_queue_room(engine, state.settings.max_num_waiting)
+    record.num_prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
+    if state.settings.log_prompts:
+        record.prompt_text = " | ".join(p.prompt or str(p.prompt_token_ids) for p in prompts)
+    return CompletionJob(body, engine, random_id("cmpl"), state.served_model_name, now(),
+                         prompts, params, record)
+
+
+def _process(engine: AsyncLLM, prompt: str | list[int], add_special_tokens: bool) -> ProcessedPrompt:
+    if isinstance(prompt, str) and not add_special_tokens:
+        ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+        return process_prompt(engine, {"prompt": prompt, "prompt_token_ids": ids}, "prompt")
+    return process_prompt(engine, prompt, "prompt")
+
+
+async def collect_completion(job: CompletionJob, request: Request) -> CompletionResponse:
+    choices = {
+        (p, i): ChoiceState() for p in range(len(job.prompts)) for i in range(job.params.n)
+    }
+    try:
+        async with abort_on_disconnect(request.receive, job.abort):
+            async for prompt_index, output in stream_outputs(
+                job.engine, job.request_ids, job.prompts, job.params, job.body.priority
+            ):
+                for delta in output.outputs:
+                    choices[(prompt_index, delta.index)].add(delta)
+    except (ValueError, RuntimeError) as exc:
+        job.record.error = str(exc)
+        raise engine_error(exc) from None
+    finally:
+        job.record.finish(list(choices.values()))
+        job.record.log()
+    return CompletionResponse(
+        id=job.response_id, created=job.created, model=job.model,
+        choices=[_whole_choice(job, p, i, c) for (p, i), c in choices.items()],
+        usage=UsageInfo.of(job.record.num_prompt_tokens, job.record.num_output_tokens),
+    )
+
+
+def _whole_choice(job: CompletionJob, prompt_index: int, index: int,
+                  choice: ChoiceState) -> CompletionChoice:
+    prefix = job.prompt_text(prompt_index) if job.body.echo else ""
+    logprobs = None
+    if job.params.logprobs is not None:
+        logprobs = completion_logprobs(choice.token_ids, choice.logprobs, len(prefix))
+    return CompletionChoice(
+        index=job.choice_index(prompt_index, index), text=prefix + choice.text,
+        logprobs=logprobs, finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
+    )
+
+
+def completion_logprobs(
+    token_ids: list[int], positions: list[dict[int, Logprob]], text_offset: int
+) -> CompletionLogprobs:
+    """The legacy shape: per token its text, its offset in the choice's text, its logprob,
+    and {text: logprob} of the alternatives."""
+    out = CompletionLogprobs()
+    offset = text_offset
+    for token_id, position in zip(token_ids, positions):
+        sampled = position.get(token_id)
+        token = (sampled.decoded_token if sampled else None) or ""
+        out.tokens.append(token)
+        out.token_logprobs.append(sampled.logprob if sampled else None)
+        out.text_offset.append(offset)
+        out.top_logprobs.append({(lp.decoded_token or ""): lp.logprob for lp in position.values()})
+        offset += len(token)
+    return out
+
+
+async def stream_completion(job: CompletionJob, request: Request) -> AsyncIterator[bytes]:
+    choices = {
+        (p, i): ChoiceState() for p in range(len(job.prompts)) for i in range(job.params.n)
+    }
+    offsets = dict.fromkeys(choices, 0)
+    body = job.body
+    try:
+        async with abort_on_disconnect(request.receive, job.abort):
+            async for prompt_index, output in stream_outputs(
+                job.engine, job.request_ids, job.prompts, job.params, body.priority
+            ):
+                for delta in output.outputs:
+                    key = (prompt_index, delta.index)
+                    choice = choices[key]
+                    prefix = ""
+                    if not choice.started:
+                        choice.started = True
+                        prefix = job.prompt_text(prompt_index) if body.echo else ""
+                    choice.add(delta)
+                    text = prefix + delta.text
+                    if not text and delta.finish_reason is None and not delta.logprobs:
+                        continue  # held back: it may begin a stop string
+                    logprobs = None
+                    if job.params.logprobs is not None:
+                        logprobs = completion_logprobs(
+                            delta.token_ids, delta.logprobs or [], offsets[key] + len(prefix))
+                        offsets[key] += len(prefix) + sum(len(t) for t in logprobs.tokens)
+                    chunk = CompletionChoice(
+                        index=job.choice_index(*key), text=text, logprobs=logprobs,
+                        finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+                    yield sse(_chunk_json(job, [chunk], choices, body.continuous_usage))
+        if body.include_usage:
+            yield sse(_chunk_json(job, [], choices, True))
+    except (ValueError, RuntimeError, ApiError) as exc:
+        job.record.error = str(exc)
+        error = exc if isinstance(exc, ApiError) else engine_error(exc)
+        yield sse(json.dumps(error_body(error.status, error.message, error.param, error.code)))
+    finally:
+        job.record.finish(list(choices.values()))
+        job.record.log()
+    yield SSE_DONE
+
+
+def _chunk_json(job: CompletionJob, chunk_choices: list[CompletionChoice],
+                choices: dict[tuple[int, int], ChoiceState], with_usage: bool) -> str:
+    usage = None
+    if with_usage:
+        num_output = sum(len(c.token_ids) for c in choices.values())
+        usage = UsageInfo.of(job.record.num_prompt_tokens, num_output)
+    if usage is None and len(chunk_choices) == 1 and chunk_choices[0].logprobs is None:
+        return _text_chunk_json(job, chunk_choices[0])
+    response = CompletionResponse(id=job.response_id, created=job.created, model=job.model,
+                                  choices=chunk_choices, usage=usage)
+    return response.model_dump_json()
+
+
+def _text_chunk_json(job: CompletionJob, choice: CompletionChoice) -> str:
+    """The common chunk (one choice, text only) written directly: one per token per stream,
+    so it skips building a model. Same fields and order as CompletionResponse's JSON."""
+    return (
+        f'{{"id":"{job.response_id}","object":"text_completion","created":{job.created},'
+        f'"model":{json.dumps(job.model)},"choices":[{{"index":{choice.index},'
+        f'"text":{json.dumps(choice.text)},"logprobs":null,'
+        f'"finish_reason":{json.dumps(choice.finish_reason)},'
+        f'"stop_reason":{json.dumps(choice.stop_reason)}}}],"usage":null}}'
+    )

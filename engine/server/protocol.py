@@ -1,0 +1,380 @@
+"""Request and response bodies of the OpenAI API (and vLLM's extensions), as pydantic models.
+
+Requests are checked in two layers. The models check types and integer ranges (so nothing
+the engine cannot encode gets through); `SamplingParams` checks values, with messages that
+name the field and the limit. Both failures become 400s naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
+
+from kvferry.engine.sampling_params import SamplingParams
+from kvferry.engine.server.errors import bad_request
+
+# Integers cross to the engine core as msgpack, which holds 64 bits.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# Completions per prompt; each is a sequence in the engine, so a request cannot ask for many.
+MAX_N = 128
+# The most prompts one /v1/completions request may batch.
+MAX_NUM_PROMPTS = 1024
+
+# A prompt: text, a batch of texts, token ids, or a batch of token id lists.
+PromptInput = str | list[str] | list[Int64] | list[list[Int64]]
+
+
+class OpenAIModel(BaseModel):
+    """Unknown fields are ignored (clients send fields of newer API versions); NaN and
+    infinities are refused."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(OpenAIModel):
+    # Send one more chunk, with empty choices and the request's usage, before [DONE].
+    include_usage: bool = False
+    # Put the usage so far in every chunk.
+    continuous_usage_stats: bool = False
+
+
+class SamplingRequest(OpenAIModel):
+    """The sampling and streaming fields that completions and chat share."""
+
+    model: str | None = None
+    n: int = Field(1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Int64] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: Int64 = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Lower runs earlier when the server schedules by priority.
+    priority: Int64 = 0
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(
+            self.stream and self.stream_options and self.stream_options.continuous_usage_stats
+        )
+
+    def build_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The engine's params; a refused value raises a 400 naming the field."""
+        try:
+            return SamplingParams(
+                n=self.n,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
+                seed=self.seed,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+            )
+        except ValueError as exc:
+            raise bad_request(str(exc), param=param_of_message(str(exc))) from None
+
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def param_of_message(message: str) -> str | None:
+    """The field a `SamplingParams` message names: its first word ("stop[0]" -> "stop")."""
+    word = message.split(" ", 1)[0].split("[", 1)[0]
+    return word if word in _SAMPLING_FIELDS else None
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: PromptInput
+    max_tokens: Int64 | None = 16
+    # Alternatives per position (0 = only the sampled token's logprob).
+    logprobs: Int64 | None = None
+    # Put the prompt in front of each completion's text.
+    echo: bool = False
+    add_special_tokens: bool = True
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.echo and self.logprobs is not None:
+            raise bad_request(
+                "echo together with logprobs needs prompt logprobs, which this server does "
+                "not compute; drop one of them", param="echo",
+            )
+        return self.build_sampling_params(self.max_tokens, self.logprobs)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts: one string or token-id list per prompt."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            batch: list[str | list[int]] = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            batch = [list(prompt)]  # type: ignore[arg-type]
+        else:
+            batch = list(prompt)  # type: ignore[arg-type]
+        if not batch:
+            raise bad_request("prompt must not be empty", param="prompt")
+        if len(batch) > MAX_NUM_PROMPTS:
+            raise bad_request(
+                f"prompt holds {len(batch)} prompts, more than the limit of {MAX_NUM_PROMPTS}",
+                param="prompt",
+            )
+        return batch
+
+
+class ContentPart(OpenAIModel):
+    """One part of a message's content; only text parts are supported."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        """The content as one string (text parts joined with newlines)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for part_index, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise bad_request(
+                    f"content part of type {part.type!r} is not supported: only 'text' parts "
+                    "with a 'text' field are", param=f"messages[{index}].content[{part_index}]",
+                )
+            texts.append(part.text)
+        return "\n".join(texts)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    # Deprecated by OpenAI in favour of max_completion_tokens; still honoured.
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
+    logprobs: bool = False
+    top_logprobs: Int64 | None = None
+    # End the rendered conversation with the header of an assistant turn.
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if not self.messages:
+            raise bad_request("messages must hold at least one message", param="messages")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+        num_logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        return self.build_sampling_params(max_tokens, num_logprobs)
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as plain dicts for the chat template."""
+        out = []
+        for index, message in enumerate(self.messages):
+            entry: dict[str, Any] = {"role": message.role, "content": message.text(index)}
+            if message.name is not None:
+                entry["name"] = message.name
+            out.append(entry)
+        return out
+
+
+class TokenizeRequest(OpenAIModel):
+    """POST /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIModel):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[Int64]
+
+
+# ---- responses -------------------------------------------------------------------------
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(OpenAIModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class CompletionLogprobs(OpenAIModel):
+    """The legacy completions shape: parallel lists, one entry per token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    # vLLM's extension: the stop string or token id that ended the completion.
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(OpenAIModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(OpenAIModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(OpenAIModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(OpenAIModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatDelta(OpenAIModel):
+    """A chunk's new content; only the first chunk of a choice carries the role."""
+
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(OpenAIModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(OpenAIModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(OpenAIModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvferry"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(OpenAIModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(OpenAIModel):
+    prompt: str

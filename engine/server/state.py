@@ -1,0 +1,78 @@
+"""The server's settings and its shared state (the engine, metrics, phase, in-flight count)."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvferry.engine.async_llm import AsyncLLM
+    from kvferry.engine.server.metrics import EngineMetrics
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What `kvferry serve` configures beyond the engine."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Clients must send `Authorization: Bearer <api_key>` when set.
+    api_key: str | None = None
+    # `--chat-template`: a file or the template text; None uses the tokenizer's.
+    chat_template: str | None = None
+    # 429 while this many requests wait in the engine; None for no limit.
+    max_num_waiting: int | None = None
+    # On SIGTERM, seconds to let in-flight requests finish before exiting anyway.
+    drain_timeout_s: float = 30.0
+    # Put prompt text in the per-request log lines.
+    log_prompts: bool = False
+    uvicorn_log_level: str = "warning"
+
+
+class Phase(enum.Enum):
+    LOADING = "loading"  # the engine core is loading the model
+    READY = "ready"  # serving
+    DRAINING = "draining"  # SIGTERM: finishing in-flight requests, refusing new ones
+    DEAD = "dead"  # the engine core died or failed to load
+
+
+@dataclass
+class ServerState:
+    """Shared by the routes, the middleware and the lifecycle."""
+
+    settings: ServerSettings
+    served_model_name: str
+    phase: Phase = Phase.LOADING
+    engine: AsyncLLM | None = None
+    metrics: EngineMetrics | None = None
+    # The chat template in use (None: the model has none).
+    chat_template: str | None = None
+    # Why the engine is unavailable (load failure or death), for 503 messages.
+    failure: str | None = None
+    # Generation requests being served (HTTP level, streams included).
+    num_in_flight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    def request_started(self) -> None:
+        self.num_in_flight += 1
+        self.idle.clear()
+
+    def request_finished(self) -> None:
+        self.num_in_flight -= 1
+        if self.num_in_flight == 0:
+            self.idle.set()
+
+    def unavailable_reason(self) -> str | None:
+        """Why requests are refused now (503), or None when serving."""
+        if self.phase is Phase.READY and self.engine is not None and self.engine.is_ready:
+            return None
+        if self.phase is Phase.LOADING:
+            return "the model is loading; retry shortly"
+        if self.phase is Phase.DRAINING:
+            return "the server is shutting down and takes no new requests"
+        return f"the engine is not available: {self.failure or 'it stopped'}"

@@ -1,0 +1,124 @@
+"""The operator/engine contract: every `kvferry serve` command line and environment the
+operator renders for an engine pod parses with the real `kvferry serve` parser."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvferry.engine.arg_utils import engine_config_from_args
+from kvferry.engine.cli import build_parser
+from kvferry.engine.serve_cli import check_supported, pod_environment, read_api_key
+from kvferry.operator.render import render_children
+from kvferry.operator.spec import parse_spec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "operator"))
+from operator_factories import EXAMPLES, load_example, random_spec, service  # noqa: E402
+
+
+def engine_containers(manifest: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, str]]]:
+    """(engine container, its ConfigMap's data) of every engine Deployment."""
+    children = render_children(parse_spec(manifest))
+    config_maps = {c.name: c.manifest["data"] for c in children if c.kind == "ConfigMap"}
+    out = []
+    for child in children:
+        if child.kind != "Deployment":
+            continue
+        for container in child.manifest["spec"]["template"]["spec"]["containers"]:
+            if container["name"] == "engine":
+                (ref,) = container["envFrom"]
+                out.append((container, config_maps[ref["configMapRef"]["name"]]))
+    return out
+
+
+def parse_serve(args: list[str]) -> argparse.Namespace:
+    assert args[:2] == ["kvferry", "serve"], args
+    argv = args[1:]
+    return build_parser(argv).parse_args(argv)
+
+
+def pod_env(container: dict[str, Any], config_map: dict[str, str]) -> dict[str, str]:
+    """The container's environment, secret and field references given stand-in values."""
+    env = dict(config_map)
+    for var in container["env"]:
+        env[var["name"]] = var.get("value", "10.0.0.7" if var["name"] == "POD_IP" else "secret")
+    return env
+
+
+def check_rendered(manifest: dict[str, Any]) -> int:
+    spec = parse_spec(manifest)
+    pods = engine_containers(manifest)
+    assert len(pods) == len(spec.pools)
+    for container, config_map in pods:
+        args = parse_serve(container["args"])
+        assert args.command == "serve"
+        assert args.role in ("both", "prefill", "decode", "encoder")
+        assert args.port == 8000 and args.host == "0.0.0.0"
+        assert args.served_model_name == spec.model.served_name
+        assert args.block_size == spec.engine.block_size
+        assert args.tensor_parallel_size == spec.engine.tensor_parallel_size
+        assert args.max_model_len == spec.model.max_model_len
+        assert args.enable_prompt_embeds == spec.engine.enable_prompt_embeds
+        assert args.enable_prefix_caching  # on unless --no-enable-prefix-caching
+        engine_config_from_args(args)  # the engine's own validation accepts the values
+        environment = pod_environment(pod_env(container, config_map))
+        assert environment.model_type == spec.model.type
+        assert environment.service == spec.name
+    return len(pods)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_every_example_renders_command_lines_serve_accepts(path: Path) -> None:
+    assert check_rendered(load_example(path)) >= 1
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_specs_render_command_lines_serve_accepts(seed: int) -> None:
+    assert check_rendered(service(random_spec(random.Random(seed)), name=f"svc{seed}")) >= 1
+
+
+def test_a_flag_serve_does_not_know_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        parse_serve(["kvferry", "serve", "--model", "demo", "--no-such-flag"])
+
+
+def test_role_defaults_to_the_pod_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVFERRY_ROLE", "decode")
+    assert parse_serve(["kvferry", "serve", "--model", "demo"]).role == "decode"
+    monkeypatch.delenv("KVFERRY_ROLE")
+    assert parse_serve(["kvferry", "serve", "--model", "demo"]).role == "both"
+
+
+def test_only_role_both_runs_today() -> None:
+    base = ["kvferry", "serve", "--model", "demo"]
+    assert check_supported(parse_serve(base)) is None
+    assert "KV transfer" in check_supported(parse_serve([*base, "--role", "prefill"]))
+    assert "--max-num-waiting" in check_supported(parse_serve([*base, "--max-num-waiting", "0"]))
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"KVFERRY_MODEL_TYPE": "seq2seq"}, "KVFERRY_MODEL_TYPE"),
+    ({"KVFERRY_NIXL_PORT": "port"}, "KVFERRY_NIXL_PORT must be an integer"),
+    ({"KVFERRY_NIXL_PORT": "70000"}, "[1, 65535]"),
+    ({"KVFERRY_KV_FAILURE_POLICY": "retry"}, "KVFERRY_KV_FAILURE_POLICY"),
+])
+def test_wrong_pod_environment_names_the_variable(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        pod_environment(env)
+
+
+def test_api_key_sources(tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    base = ["kvferry", "serve", "--model", "demo"]
+    assert read_api_key(parse_serve([*base, "--api-key", "k1"]), {}) == "k1"
+    assert read_api_key(parse_serve([*base, "--api-key-file", str(key_file)]), {}) == "s3cret"
+    assert read_api_key(parse_serve(base), {"KVFERRY_API_KEY": "k2"}) == "k2"
+    assert read_api_key(parse_serve(base), {}) is None
+    with pytest.raises(SystemExit):  # one source at a time
+        parse_serve([*base, "--api-key", "a", "--api-key-file", str(key_file)])
