@@ -133,14 +133,17 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
 
 
 @pytest.fixture(scope="session")
-def hf_model() -> Callable[[Path], torch.nn.Module]:
-    """Loader: the HF transformers model of a checkpoint, float32, eager attention, eval."""
+def hf_model() -> Callable[..., torch.nn.Module]:
+    """Loader: the HF transformers model of a checkpoint in eval mode; float32 with eager
+    attention unless `dtype` or `attn_implementation` say otherwise."""
 
-    def load(path: Path) -> torch.nn.Module:
+    def load(
+        path: Path, dtype: torch.dtype = torch.float32, attn_implementation: str = "eager"
+    ) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=torch.float32, attn_implementation="eager"
+            str(path), dtype=dtype, attn_implementation=attn_implementation
         )
         return model.eval()
 
