@@ -16,18 +16,20 @@ PROBE = (
     "print(paged_decode_kernel() is not None)"
 )
 
-# Whether denormals survive on the main thread before and after the kernel loads: a Python
-# float, a numpy float32 and a torch float32 (one element: no worker thread computes it).
+# Whether denormals survive on the main thread before and after the kernel loads: Python
+# floats (a denormal result: flush-to-zero; a denormal operand: denormals-are-zero), a numpy
+# float32 and a torch float32 (one element: no worker thread computes it). The operands are
+# arguments, so no product is folded into a constant before the kernel loads.
 FLOAT_STATE_PROBE = """
 import numpy as np
 import torch
 from kvferry.engine.attention.cpu_kernels import paged_decode_kernel
 
-def denormals_survive():
+def denormals_survive(tiny=1e-310, one=1.0, small=2.5e-308, quarter=0.25, tiny32=1e-40):
     return (
-        1e-310 * 1.0 != 0.0,
-        bool(np.float32(1e-40) * np.float32(1.0) != 0),
-        bool((torch.tensor([1e-40]) * 1.0).item() != 0),
+        tiny * one != 0.0 and small * quarter != 0.0,
+        bool(np.float32(tiny32) * np.float32(one) != 0),
+        bool((torch.tensor([tiny32]) * one).item() != 0),
     )
 
 before = denormals_survive()
