@@ -21,7 +21,7 @@ WORKDIR /opt/kvferry
 # Dependencies first, so source edits do not re-download torch.
 COPY pyproject.toml setup.py ./
 RUN pip install --index-url "$TORCH_INDEX" torch \
-    && pip install "kopf>=1.37" "kmock>=0.8" "cel-python>=0.2" "kubernetes-validate>=1.30" "pyyaml>=6.0"
+    && pip install "kopf>=1.37" "cel-python>=0.2" "jsonschema>=4.18" "pyyaml>=6.0"
 COPY . .
 # The CRD ships inside the package (kvferry.operator's crds/ links to the top-level one).
 RUN pip install '.[operator]' \

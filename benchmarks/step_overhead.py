@@ -109,7 +109,6 @@ class HostRunner:
         self.runner = runner
 
     def update_states(self, so: SchedulerOutput) -> None:
-        self.runner.forget_requests(so.finished_req_ids)
         self.runner._update_states(so)
 
     def prepare(self, so: SchedulerOutput) -> PreparedInputs:

@@ -8,9 +8,14 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+import sys
+
 import pytest
 
-from kvferry.operator.emulator import OperatorProcess, emulated_cluster, write_kubeconfig
+# The emulator wrapper is test tooling beside these tests, not part of the operator package.
+sys.path.insert(0, str(Path(__file__).parent))
+
+from kube_emulator import OperatorProcess, emulated_cluster, write_kubeconfig  # noqa: E402
 
 TEST_TIMEOUT_SECONDS = 60
 
@@ -33,8 +38,8 @@ def cluster(tmp_path: Path) -> Callable[[], contextlib.AbstractAsyncContextManag
         async with emulated_cluster() as (k, client):
             kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", str(k.url))
 
-            def start_operator() -> OperatorProcess:
-                return OperatorProcess(kubeconfig, tmp_path / "operator.log")
+            def start_operator(*extra_args: str) -> OperatorProcess:
+                return OperatorProcess(kubeconfig, tmp_path / "operator.log", *extra_args)
 
             try:
                 yield k, client, start_operator

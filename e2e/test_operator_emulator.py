@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvferry.operator.emulator import new_service, wait_for
-from kvferry.operator.kube import ApiError, object_path
+from kube_emulator import new_service, operator_writes, stored, wait_for
+from kvferry.operator.children import HANDOVER_MANAGER
+from kvferry.operator.kube import APPLY_CONTENT_TYPE, FIELD_MANAGER, ApiError, object_path
 from kvferry.operator.render import render_children
 from kvferry.operator.spec import parse_spec
 
@@ -81,29 +82,58 @@ def test_apply_creates_owned_children_and_reacts_to_changes(cluster, run_async) 
     run_async(scenario())
 
 
-def test_autoscaling_adds_hpa_and_never_writes_replicas(cluster, run_async) -> None:
+def test_autoscaling_takes_replicas_over_and_gives_them_back(cluster, run_async) -> None:
     async def scenario() -> None:
         async with cluster() as (k, client, start_operator), start_operator():
-            await create_and_settle(client, "chat", DISAGGREGATED)
+            spec = {**DISAGGREGATED, "pools": {"prefill": {}, "decode": {"replicas": 3}}}
+            await create_and_settle(client, "chat", spec)
             before = len(k.served)
             scaling = {"minReplicas": 2, "maxReplicas": 6}
             await client.apply(NS, {**_cr_patch("chat", 2),
                                     "spec": {"pools": {"decode": {"autoscaling": scaling}}}})
-            hpa = await wait_for(lambda: client.get("HorizontalPodAutoscaler", NS, "chat-decode"), 15, "HPA")
+            hpa = await wait_for(lambda: stored(k, "HorizontalPodAutoscaler", "chat-decode"), 15, "HPA")
+            await wait_for(lambda: status_generation(k, "chat") == 2, 15, "observedGeneration 2")
             assert hpa["spec"]["scaleTargetRef"]["name"] == "chat-decode"
             assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
             assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "vllm:num_requests_waiting"
-            # The HPA scales the Deployment; the operator must leave that number alone.
-            await client.apply(NS, {"apiVersion": "apps/v1", "kind": "Deployment",
-                                    "metadata": {"name": "chat-decode"}, "spec": {"replicas": 5}})
-            await wait_for(lambda: status_generation(k, "chat") == 2, 15, "observedGeneration 2")
+            # HPA first, then a second field manager co-owns the running count, then the
+            # operator's Deployment leaves replicas out: the pool never drops to 1.
+            sent = [w for w in operator_writes(k, before) if "/inferenceservices/" not in w.path]
+            assert [(w.path.rsplit("/", 2)[-2], w.params["fieldManager"], w.params["force"]) for w in sent] == [
+                ("horizontalpodautoscalers", FIELD_MANAGER, "true"),
+                ("deployments", HANDOVER_MANAGER, "false"),
+                ("deployments", FIELD_MANAGER, "true"),
+            ]
+            assert sent[1].body["spec"] == {"replicas": 3}
+            assert "replicas" not in sent[2].body["spec"]
+            assert _replicas(k, "chat-decode") == 3
+
+            # The HPA scales; the operator leaves that number alone and reports it.
+            before = len(k.served)
+            await _scale_by_hand(client, "chat-decode", 5)
             await wait_for(lambda: _pool_status(k, "chat", "decode") == 5, 15, "status follows the HPA")
-            assert _replicas(k, "chat-decode") == 5
-            for method, path, data in writes(k, before):
-                if path.endswith("/deployments/chat-decode") and (data or {}).get("spec", {}).get("replicas") != 5:
-                    assert "replicas" not in (data or {}).get("spec", {}), (method, data)
+            assert [w for w in operator_writes(k, before) if "/deployments/" in w.path] == []
+
+            # Autoscaling removed: the HPA goes first, then replicas follow the spec again.
+            before = len(k.served)
+            await client._call("PATCH", object_path("InferenceService", NS, "chat"),
+                               {"metadata": {"generation": 3}, "spec": {"pools": {"decode": {"autoscaling": None}}}},
+                               "application/merge-patch+json")
+            await wait_for(lambda: _replicas(k, "chat-decode") == 3, 15, "replicas back to the spec's 3")
+            assert stored(k, "HorizontalPodAutoscaler", "chat-decode") is None
+            sent = [w for w in operator_writes(k, before) if "/inferenceservices/" not in w.path]
+            assert [(w.method, w.path.rsplit("/", 2)[-2]) for w in sent] == [
+                ("DELETE", "horizontalpodautoscalers"), ("PATCH", "deployments")]
+            assert sent[0].body["preconditions"]["uid"] == hpa["metadata"]["uid"]
+            assert sent[1].body["spec"]["replicas"] == 3 and sent[1].params["force"] == "true"
 
     run_async(scenario())
+
+
+async def _scale_by_hand(client: Any, deployment: str, replicas: int) -> None:
+    """What the HPA controller (or kubectl scale) does: a plain update of the count."""
+    await client._call("PATCH", object_path("Deployment", NS, deployment), {"spec": {"replicas": replicas}},
+                       "application/merge-patch+json")
 
 
 def test_ready_counts_restart_and_delete(cluster, run_async) -> None:
@@ -208,13 +238,17 @@ def test_new_service_is_reconciled_once_with_one_write_per_child(cluster, run_as
             await wait_for(lambda: _status_conditions(k, "chat"), 15, "status of chat")
             await wait_for(lambda: "Handling cycle is finished" in operator.log_path.read_text(),
                            15, "kopf to finish with chat")
-            served = [(str(r.method.value).upper(), r.url.path) for r in k.served[before:]
-                      if "watch=true" not in str(r.url)]
-            assert [m for m, p in served if m == "GET"] == []
-            assert sorted(p for m, p in served if m == "POST") == sorted(
-                [object_path("InferenceService", NS)] + [object_path(c.kind, NS) for c in children])
+            served = [(str(r.method.value).upper(), r.url.path, r.headers.get("Content-Type"))
+                      for r in k.served[before:] if "watch=true" not in str(r.url)]
+            assert [m for m, p, _ in served if m == "GET"] == []
+            # Server-side apply creates every child but the generated Secret, which is POSTed once.
+            assert sorted(p for m, p, _ in served if m == "POST") == sorted(
+                [object_path("InferenceService", NS), object_path("Secret", NS)])
             service_path = object_path("InferenceService", NS, "chat")
-            assert sorted(p for m, p in served if m == "PATCH") == [service_path, service_path + "/status"]
+            assert sorted(p for m, p, t in served if m == "PATCH" and t == APPLY_CONTENT_TYPE) == sorted(
+                object_path(c.kind, NS, c.name) for c in children if c.kind != "Secret")
+            assert sorted(p for m, p, t in served if m == "PATCH" and t != APPLY_CONTENT_TYPE) == [
+                service_path, service_path + "/status"]
             assert operator.log_path.read_text().count("Handler 'reconcile' is invoked") == 1
 
     run_async(scenario())

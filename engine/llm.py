@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvferry.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvferry.engine.llm_engine import LLMEngine, PromptType
+from kvferry.engine.llm_engine import LLMEngine, PromptType, RequestOutputKind
 from kvferry.engine.outputs import RequestOutput
 from kvferry.engine.sampling_params import SamplingParams
 
@@ -86,7 +86,10 @@ class LLM:
         request_ids = []
         for i, (prompt, p) in enumerate(zip(processed, params)):
             request_id = engine.next_request_id()
-            engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0)
+            engine.add_request(
+                request_id, prompt, p, priority=priority[i] if priority else 0,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
             request_ids.append(request_id)
         return self._run_engine(request_ids, use_tqdm)
 

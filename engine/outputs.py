@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -21,21 +21,19 @@ SampleLogprobs = list[dict[int, Logprob]]
 
 @dataclass
 class CompletionOutput:
-    """One of a prompt's `n` completions, cumulative so far."""
+    """One of a prompt's `n` completions: all of it so far, or (for a request whose output
+    kind is DELTA) what is new since its previous output, the text holding back characters
+    that might begin a stop string."""
 
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    # "stop", "length", "abort" once finished, else None.
+    # "stop", "length", "abort" or "error" once finished, else None.
     finish_reason: str | None = None
     # The stop string or stop token id that ended it (None for EOS or length).
     stop_reason: int | str | None = None
-    # New since the previous output for this request (streaming); the text delta holds
-    # back characters that might begin a stop string.
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvferry.engine.messages import FinishReason
 from kvferry.engine.sampling_params import SamplingParams
 
 
@@ -17,21 +18,24 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    # The step computing the request raised; its blocks were freed.
+    FINISHED_ERROR = enum.auto()
 
     @property
     def is_finished(self) -> bool:
         return self > RequestStatus.PREEMPTED
 
     @property
-    def finish_reason(self) -> str | None:
-        """The OpenAI `finish_reason` of a finished request."""
+    def finish_reason(self) -> FinishReason | None:
+        """Why a finished request ended (None while it is not finished)."""
         return _FINISH_REASONS.get(self)
 
 
 _FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -60,8 +64,8 @@ class Request:
     # Prompt tokens served from the prefix cache when the request was first scheduled.
     num_cached_tokens: int = -1
     num_preemptions: int = 0
-    # Set when a stop token or stop string ended the request.
-    stop_reason: int | str | None = None
+    # The stop token id that ended the request.
+    stop_reason: int | None = None
     # Chained hashes of the request's full blocks, filled in as blocks fill.
     block_hashes: list[bytes] = field(default_factory=list)
     # Set by the scheduler on arrival: outputs after which a length cap (max_tokens or

@@ -8,16 +8,25 @@ Waiting requests are admitted next, with their prefix-cache hits, as far as the 
 
 After scheduling, each request's `num_computed_tokens` already counts this step's tokens,
 so the next step can be planned before this one's tokens are sampled.
+
+Invariant: a block's hash enters the prefix-cache index only in `update_from_output`, once
+the step that wrote the block's last slot has run. A request taken back out of a step
+(preempted, aborted, or failed with it) therefore never leaves a hash for KV that was not
+computed. So that requests with a common prefix arriving together (the `n` completions of
+one prompt, a shared system prompt) still compute it once, a waiting request whose next
+block is being computed in this step by another request waits one step for it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from operator import attrgetter
 
 import numpy as np
 
 from kvferry.engine.config import SchedulerConfig
 from kvferry.engine.kv_cache import KVCacheBlock, KVCacheManager
+from kvferry.engine.messages import EngineCoreOutput, FinishReason, SchedulerStats
 from kvferry.engine.request import Request, RequestStatus
 from kvferry.engine.request_queue import make_request_queue
 from kvferry.engine.scheduler_output import (
@@ -41,12 +50,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
-        # Finished since the last schedule(): the runner drops their rows.
+        # Finished since the last schedule(): the runner drops their rows and any state it
+        # keeps for them (ids it never saw are ignored there).
         self.finished_req_ids: set[str] = set()
-        # Requests the runner holds a row for.
-        self._runner_known: set[str] = set()
         # Requests that may not stop yet (fewer outputs than min_tokens).
         self._min_tokens_pending: set[str] = set()
+        self.num_preemptions = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -62,7 +71,9 @@ class Scheduler:
         if request.sampling_params.min_tokens > 0:
             self._min_tokens_pending.add(request.request_id)
 
-    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus
+    ) -> list[Request]:
         """Finishes (or aborts) requests wherever they are; unknown ids are ignored."""
         assert status.is_finished, status
         finished = []
@@ -83,9 +94,20 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._min_tokens_pending.discard(request.request_id)
-        if request.request_id in self._runner_known:
-            self._runner_known.discard(request.request_id)
-            self.finished_req_ids.add(request.request_id)
+        # Always reported, wherever the request was: a request preempted and then aborted
+        # while waiting has no row but may still have runner state (a seeded generator).
+        self.finished_req_ids.add(request.request_id)
+
+    def fail_step(self, scheduler_output: SchedulerOutput) -> list[Request]:
+        """Finishes every request of a step that raised, freeing their blocks.
+
+        The step advanced their `num_computed_tokens` for KV that may never have been
+        written; nothing of it entered the prefix cache (see the module invariant), so
+        dropping the requests leaves the cache and the other requests consistent.
+        """
+        return self.finish_requests(
+            list(scheduler_output.num_scheduled_tokens), RequestStatus.FINISHED_ERROR
+        )
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -140,11 +162,9 @@ class Scheduler:
                 return None
             budget.new_block_ids.update(zip(map(_request_id, growing), new_block_ids))
         if manager.enable_caching:
-            # A block that fills up this step joins the prefix cache now.
             block_size = manager.block_size
-            filled = np.flatnonzero(ends // block_size > computed // block_size)
-            for i in filled.tolist():
-                manager.cache_full_blocks(running[i], int(ends[i]))
+            filling = np.flatnonzero(ends // block_size > computed // block_size)
+            budget.filling.update((running[i].request_id, running[i]) for i in filling.tolist())
         rows = np.flatnonzero(num_new)
         if rows.size == num:
             # A copy: admitting waiting requests appends to self.running.
@@ -181,8 +201,15 @@ class Scheduler:
             if new_blocks:
                 budget.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
             budget.take(request, num_new)
+            self._note_filling(request, request.num_computed_tokens, num_new, budget)
             scheduled.append(request)
         return scheduled, preempted
+
+    def _note_filling(self, request: Request, num_computed: int, num_new: int, budget: _Budget) -> None:
+        """Remembers a request whose tokens this step complete a block (indexed after it)."""
+        block_size = self.kv_cache_manager.block_size
+        if (num_computed + num_new) // block_size > num_computed // block_size:
+            budget.filling[request.request_id] = request
 
     def _preempt_until_fits(
         self, request: Request, num_new: int, budget: _Budget, preempted: list[Request]
@@ -210,7 +237,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self._runner_known.discard(request.request_id)
+        self.num_preemptions += 1
         self.waiting.prepend(request)
 
     def _schedule_waiting(self, budget: _Budget) -> list[Request]:
@@ -220,8 +247,16 @@ class Scheduler:
                 break
             request = self.waiting.peek()
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            if self._next_block_in_flight(request, len(hits), budget):
+                break  # it will be a prefix-cache hit next step
             num_new = request.num_tokens - num_hit_tokens
-            if not self.config.enable_chunked_prefill and num_new > budget.tokens:
+            # Without chunked prefill a prompt runs in one step (add_request made sure it
+            # fits one); a preempted request's recompute may be longer, so it is chunked.
+            if (
+                not self.config.enable_chunked_prefill
+                and request.num_preemptions == 0
+                and num_new > budget.tokens
+            ):
                 break
             num_new = min(num_new, budget.tokens)
             new_blocks = self.kv_cache_manager.allocate_slots(
@@ -237,8 +272,37 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             budget.take(request, num_new)
+            self._note_filling(request, num_hit_tokens, num_new, budget)
+            if budget.in_flight_hashes is not None:
+                end = (num_hit_tokens + num_new) // self.kv_cache_manager.block_size
+                budget.in_flight_hashes.update(request.block_hashes[len(hits) : end])
             scheduled.append(request)
         return scheduled
+
+    def _next_block_in_flight(self, request: Request, num_hit_blocks: int, budget: _Budget) -> bool:
+        """Whether another request computes, this step, the first block `request` missed."""
+        manager = self.kv_cache_manager
+        # A hit never covers the last token (see KVCacheManager.get_computed_blocks).
+        if not manager.enable_caching or (
+            num_hit_blocks >= (request.num_tokens - 1) // manager.block_size
+        ):
+            return False
+        block_hashes = request.block_hashes
+        if budget.in_flight_hashes is None:
+            budget.in_flight_hashes = self._hashes_in_flight(budget)
+        return block_hashes[num_hit_blocks] in budget.in_flight_hashes
+
+    def _hashes_in_flight(self, budget: _Budget) -> set[bytes]:
+        """Hashes of the full blocks that the requests scheduled so far compute this step."""
+        block_size = self.kv_cache_manager.block_size
+        in_flight: set[bytes] = set()
+        for req_id, num_tokens in budget.scheduled.items():
+            request = budget.requests[req_id]
+            # num_computed_tokens is advanced only once scheduling is done.
+            first = request.num_computed_tokens // block_size
+            end = (request.num_computed_tokens + num_tokens) // block_size
+            in_flight.update(request.block_hashes[first:end])
+        return in_flight
 
     def _make_output(
         self,
@@ -259,7 +323,6 @@ class Scheduler:
         )
         get_block_ids = self.kv_cache_manager.get_block_ids
         new_reqs = [_new_request_data(r, get_block_ids(r.request_id)) for r in waiting]
-        self._runner_known.update(r.request_id for r in waiting)
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -268,6 +331,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
             blocked_stop_token_ids=self._blocked_stop_tokens(budget.scheduled),
+            filling_req_ids=list(budget.filling) if self.kv_cache_manager.enable_caching else [],
         )
         self.finished_req_ids = set()
         return output
@@ -291,33 +355,53 @@ class Scheduler:
     # ------------------------------------------------------------------ update
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[tuple[Request, list[int]]]:
-        """Appends sampled tokens and finishes requests that hit a stop condition.
+    ) -> list[EngineCoreOutput]:
+        """Indexes the blocks the step filled, appends sampled tokens, finishes stopped requests.
 
-        Returns (request, new token ids) for each request that produced a token this step;
-        finished requests carry their final status.
+        Returns one output per request that produced a token this step; a finished one
+        carries its finish reason.
         """
-        updates = []
+        self._cache_computed_blocks(scheduler_output)
+        outputs = []
         stopped = False
         requests, running = self.requests, RequestStatus.RUNNING
         for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = requests.get(req_id)
             if request is None or request.status is not running:
                 continue  # aborted while the step ran
-            outputs = request.output_token_ids
-            outputs.append(token_id)
+            output_ids = request.output_token_ids
+            output_ids.append(token_id)
             request.all_token_ids.append(token_id)
+            output = EngineCoreOutput(req_id, [token_id])
+            outputs.append(output)
+            if len(output_ids) == 1:
+                output.num_cached_tokens = max(request.num_cached_tokens, 0)
             # Most tokens neither stop nor reach a length cap: one set test, one compare.
-            if token_id in request.stop_token_set or len(outputs) >= request.max_output_tokens:
+            if token_id in request.stop_token_set or len(output_ids) >= request.max_output_tokens:
                 status = self._check_stop(request, token_id)
                 if status is not None:
                     request.status = status
+                    output.finish_reason = status.finish_reason
+                    output.stop_reason = request.stop_reason
                     self._free_request(request)
                     stopped = True
-            updates.append((request, [token_id]))
         if stopped:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
-        return updates
+        if runner_output.logprobs is not None:
+            by_req = dict(zip(runner_output.req_ids, runner_output.logprobs))
+            for output in outputs:
+                if by_req[output.req_id]:
+                    output.new_logprobs = [by_req[output.req_id]]
+        return outputs
+
+    def _cache_computed_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        """Indexes the blocks whose KV the step finished writing (the one place that does)."""
+        requests, running = self.requests, RequestStatus.RUNNING
+        for req_id in scheduler_output.filling_req_ids:
+            request = requests.get(req_id)
+            # A request preempted or finished since it was scheduled has no blocks left.
+            if request is not None and request.status is running:
+                self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -333,9 +417,17 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
-    def make_stats(self) -> tuple[int, int, float]:
-        """(running, waiting, KV cache usage) for the engine's statistics."""
-        return len(self.running), len(self.waiting), self.kv_cache_manager.usage
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's state after a step, for the engine's statistics."""
+        prefix = self.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self.num_preemptions,
+        )
 
 
 def _new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
@@ -346,6 +438,7 @@ def _new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
         sampling_params=request.sampling_params,
         block_ids=block_ids,
         num_computed_tokens=request.num_computed_tokens,
+        is_resumed=request.num_preemptions > 0,
     )
 
 
@@ -358,6 +451,10 @@ class _Budget:
         self.requests: dict[str, Request] = {}
         # Blocks appended to a request's table this step (at most one allocation each).
         self.new_block_ids: dict[str, list[int]] = {}
+        # Hashes of the full blocks computed this step; built when first needed.
+        self.in_flight_hashes: set[bytes] | None = None
+        # Requests whose tokens this step complete at least one block.
+        self.filling: dict[str, Request] = {}
 
     def take_many(self, requests: list[Request], req_ids: list[str], num_tokens: list[int]) -> None:
         self.tokens -= sum(num_tokens)
@@ -373,3 +470,4 @@ class _Budget:
         self.tokens += self.scheduled.pop(request.request_id, 0)
         self.requests.pop(request.request_id, None)
         self.new_block_ids.pop(request.request_id, None)
+        self.filling.pop(request.request_id, None)

@@ -25,6 +25,10 @@ class NewRequestData:
     block_ids: list[int]
     # Tokens already in the cache (prefix-cache hits) before this step.
     num_computed_tokens: int
+    # Back after preemption: the runner keeps per-request state it holds (the seeded
+    # generator continues). A request that is not resumed always starts fresh, even if an
+    # earlier request had the same id.
+    is_resumed: bool = False
 
 
 @dataclass
@@ -53,6 +57,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
     # Stop tokens each request must not sample yet (min_tokens not reached): req_id -> ids.
     blocked_stop_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Requests whose tokens complete at least one KV block this step; the scheduler indexes
+    # those blocks in the prefix cache once the step has run (the runner ignores this).
+    filling_req_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -4,19 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-@dataclass
-class SchedulerStats:
-    """A snapshot of the scheduler after a step."""
-
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    # Fraction of KV blocks in use (0.0 - 1.0).
-    kv_cache_usage: float = 0.0
-    # Cumulative prompt tokens looked up in / found in the prefix cache.
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
+from kvferry.engine.messages import SchedulerStats
 
 
 @dataclass

@@ -10,8 +10,11 @@ import logging
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `kvferry operator`."""
     parser.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
-                        help="watch this namespace (repeatable; glob patterns allowed); "
-                             "all namespaces when omitted")
+                        help="watch this namespace (repeatable; exact names: the operator does "
+                             "not list namespaces); all namespaces when omitted")
+    parser.add_argument("--allow-host-path", action="store_true",
+                        help="accept hostPath model sources and volumes (off by default: the "
+                             "`restricted` Pod Security level forbids them)")
     parser.add_argument("--peering", metavar="NAME", default=None,
                         help="coordinate with other replicas through this kopf peering object "
                              "(default: standalone, one replica)")
@@ -26,12 +29,16 @@ def run(args: argparse.Namespace) -> int:
     import kopf
 
     from kvferry.operator.handlers import build_registry
+    from kvferry.operator.reconcile import Policy
 
+    patterns = [ns for ns in args.namespace if any(c in ns for c in "*?![]")]
+    if patterns:
+        raise SystemExit(f"--namespace takes exact names, not patterns: {', '.join(patterns)}")
     kopf.configure(debug=args.debug, verbose=args.verbose or args.debug, log_prefix=True)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     logging.getLogger("celpy").setLevel(logging.WARNING)  # it traces every evaluation step
     asyncio.run(kopf.operator(
-        registry=build_registry(),
+        registry=build_registry(Policy(allow_host_path=args.allow_host_path)),
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         standalone=args.peering is None,

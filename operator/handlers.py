@@ -1,8 +1,14 @@
 """kopf handlers: thin wrappers that call `reconcile`; `build_registry()` registers them.
 
 InferenceService create/update/resume events reconcile the service. Changes to the
-children (a Deployment's status, any child deleted by hand) reconcile their owner, so the
-status follows the pods and drift heals.
+children (a Deployment's status, any child edited or deleted by hand) reconcile their owner,
+so the status follows the pods and drift heals. Events caused by the operator's own writes
+are recognised by resourceVersion (or uid, for deletions) and skipped.
+
+The operator watches InferenceServices and the kinds of children it lists
+(`children.LISTED_KINDS`), and kopf's cluster scanning (CRDs, namespaces) is off, so it
+needs list/watch on nothing else; the chart's RBAC grants exactly what these handlers and
+`reconcile` use (e2e/test_rbac.py derives it from the requests the operator sends).
 """
 
 from __future__ import annotations
@@ -15,9 +21,10 @@ import aiohttp
 import kopf
 
 from kvferry.operator import GROUP, PLURAL, VERSION
+from kvferry.operator.children import LISTED_KINDS
 from kvferry.operator.kube import RESOURCES, ApiError, KubeClient
 from kvferry.operator.labels import MANAGED_BY, SERVICE_LABEL
-from kvferry.operator.reconcile import reconcile
+from kvferry.operator.reconcile import Outcome, Policy, reconcile
 from kvferry.operator.spec import SpecError, parse_spec
 
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
@@ -29,15 +36,25 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration")
+    # Warnings (a missing Secret, a refused hostPath) show in `kubectl describe` as Events.
+    settings.posting.loggers = True
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
+    # No watching of CRDs or namespaces: the operator's RBAC grants neither, and the
+    # namespaces to serve are given by name.
+    settings.scanning.disabled = True
     memo.locks = {}
+    memo.own_versions = {}
+    memo.own_deletions = set()
+    if not hasattr(memo, "policy"):
+        memo.policy = Policy()
     warm_up()
 
 
 def warm_up() -> None:
     """Compile the CRD's validator and CEL rules now, not on the first object's clock."""
-    parse_spec({"metadata": {"name": "warm-up"}, "spec": {"model": {"source": "demo"}, "pools": {"decode": {}}}})
+    parse_spec({"metadata": {"name": "warm-up"},
+                "spec": {"model": {"source": "demo"}, "pools": {"decode": {}}}})
 
 
 def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -56,60 +73,90 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
         await client.close()
 
 
-async def _reconcile_locked(memo: kopf.Memo, body: dict[str, Any], logger: Any) -> None:
-    key = (body["metadata"].get("namespace"), body["metadata"]["name"])
-    lock = memo.locks.setdefault(key, asyncio.Lock())
-    async with lock:
-        try:
-            outcome = await reconcile(memo.client, body)
-        except SpecError as exc:
-            raise kopf.PermanentError(str(exc)) from exc
-        except (ApiError, aiohttp.ClientError) as exc:
-            raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_SECONDS) from exc
-    if outcome.created or outcome.patched:
-        logger.info("created %s; patched %s", outcome.created or "nothing", outcome.patched or "nothing")
+def _remember_own_writes(memo: kopf.Memo, namespace: str, outcome: Outcome) -> None:
+    for (kind, name), version in outcome.written_versions.items():
+        memo.own_versions[(kind, namespace, name)] = version
+    memo.own_deletions |= outcome.deleted_uids
+
+
+def _is_own_write(memo: kopf.Memo, kind: str, type: str | None, body: kopf.Body) -> bool:
+    """The event reports a write of the operator itself (nothing to reconcile)."""
+    if type == "DELETED":
+        uid = body.metadata.uid
+        if uid in memo.own_deletions:
+            memo.own_deletions.discard(uid)
+            return True
+        return False
+    key = (kind, body.metadata.namespace, body.metadata.name)
+    return memo.own_versions.get(key) == body.metadata.get("resourceVersion")
+
+
+def _lock(memo: kopf.Memo, namespace: str, name: str) -> asyncio.Lock:
+    """One reconcile at a time per service, whatever triggered it."""
+    lock: asyncio.Lock = memo.locks.setdefault((namespace, name), asyncio.Lock())
+    return lock
+
+
+async def _reconcile(memo: kopf.Memo, body: dict[str, Any], logger: Any) -> None:
+    """Run one reconcile (the caller holds the service's lock) and log what it did."""
+    try:
+        outcome = await reconcile(memo.client, body, memo.policy)
+    except SpecError as exc:
+        raise kopf.PermanentError(str(exc)) from exc
+    except (ApiError, aiohttp.ClientError) as exc:
+        raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_SECONDS) from exc
+    _remember_own_writes(memo, body["metadata"].get("namespace"), outcome)
+    for verb, what in (("created", outcome.created), ("applied", outcome.applied),
+                       ("deleted", outcome.deleted)):
+        if what:
+            logger.info("%s %s", verb, ", ".join(what))
     for problem in outcome.problems:
         logger.warning("%s: %s", problem.reason, problem.message)
 
 
 async def on_service(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     """InferenceService created, changed, or found at startup: reconcile it."""
-    await _reconcile_locked(memo, dict(body), logger)
+    async with _lock(memo, body.metadata.namespace, body.metadata.name):
+        await _reconcile(memo, dict(body), logger)
 
 
 async def on_child(type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger,
-                   **_: Any) -> None:
-    """A child changed or vanished: reconcile its owner (status, and re-create if deleted)."""
+                   resource: kopf.Resource, **_: Any) -> None:
+    """A child changed or vanished: reconcile its owner (status, put back what was edited)."""
     owner_name = body.metadata.labels.get(SERVICE_LABEL)
     if type not in ("MODIFIED", "DELETED") or not owner_name:
         return  # initial listings are covered by the owners' resume
-    owner = await memo.client.get("InferenceService", body.metadata.namespace, owner_name)
-    if owner is None or owner["metadata"].get("deletionTimestamp"):
-        return  # the owner is going away; garbage collection takes the children
-    try:
-        await _reconcile_locked(memo, owner, logger)
-    except (kopf.PermanentError, kopf.TemporaryError) as exc:
-        logger.warning("reconcile of %s after a child event failed: %s", owner_name, exc)
+    namespace = body.metadata.namespace
+    async with _lock(memo, namespace, owner_name):
+        # Checked under the lock: a reconcile that has just finished may have made this write.
+        # The owner is read under the lock too, so it carries that reconcile's status.
+        if _is_own_write(memo, resource.kind or "", type, body):
+            return
+        try:
+            owner = await memo.client.get("InferenceService", namespace, owner_name)
+            if owner is None or owner["metadata"].get("deletionTimestamp"):
+                return  # the owner is going away; garbage collection takes the children
+            await _reconcile(memo, owner, logger)
+        except (kopf.PermanentError, kopf.TemporaryError, ApiError, aiohttp.ClientError) as exc:
+            logger.warning("reconcile of %s after a child event failed: %s", owner_name, exc)
 
 
-def _only_deleted(type: str | None, **_: Any) -> bool:
-    return type == "DELETED"
-
-
-def build_registry() -> kopf.OperatorRegistry:
+def build_registry(policy: Policy | None = None) -> kopf.OperatorRegistry:
     """A fresh registry with every handler of the operator."""
     registry = kopf.OperatorRegistry()
-    kopf.on.startup(registry=registry)(configure)
+
+    def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
+        memo.policy = policy or Policy()
+        configure(settings=settings, memo=memo, **kwargs)
+
+    kopf.on.startup(registry=registry, id="configure")(startup)
     kopf.on.login(registry=registry)(login)
     kopf.on.cleanup(registry=registry)(cleanup)
     for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
         on(GROUP, VERSION, PLURAL, registry=registry, id="reconcile")(on_service)
-    kopf.on.event("apps", "v1", "deployments", labels=MANAGED, registry=registry,
-                  id="child-deployment")(on_child)
-    for kind, (api_version, plural) in RESOURCES.items():
-        if kind in ("Deployment", "InferenceService"):
-            continue
+    for kind in LISTED_KINDS:
+        api_version, plural = RESOURCES[kind]
         group, _, version = api_version.rpartition("/")
-        kopf.on.event(group, version, plural, labels=MANAGED, when=_only_deleted,
-                      registry=registry, id=f"child-{plural}")(on_child)
+        kopf.on.event(group, version, plural, labels=MANAGED, registry=registry,
+                      id=f"child-{plural}")(on_child)
     return registry

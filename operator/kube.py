@@ -1,8 +1,9 @@
 """A small asynchronous Kubernetes API client for the operator's children.
 
-kopf owns the watch streams of the operator; this client does the rest (get, create,
-server-side apply, status patches) over the same `kopf.ConnectionInfo` kopf logged in with,
-so both speak to the same API server with the same credentials.
+kopf owns the watch streams of the operator; this client does the rest (get, list by label,
+server-side apply, delete with a uid precondition, status patches) over the same
+`kopf.ConnectionInfo` kopf logged in with, so both speak to the same API server with the
+same credentials.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ import aiohttp
 import kopf
 
 FIELD_MANAGER = "kvferry-operator"
+"""The field manager of every server-side apply: the operator owns what it renders."""
+
+APPLY_CONTENT_TYPE = "application/apply-patch+yaml"  # JSON is YAML, so a JSON body is sent
+USER_AGENT = "kvferry-operator"
 
 # kind -> (apiVersion, plural) of everything the operator reads or writes.
 RESOURCES: dict[str, tuple[str, str]] = {
@@ -50,6 +55,7 @@ class KubeClient:
     """Talks to the API server that `info` (from kopf's login) describes."""
 
     info: kopf.ConnectionInfo
+    user_agent: str = USER_AGENT
     _session: aiohttp.ClientSession | None = None
 
     def _http(self) -> aiohttp.ClientSession:
@@ -57,7 +63,7 @@ class KubeClient:
             ssl = False if self.info.insecure else self.info.as_ssl_context()
             self._session = aiohttp.ClientSession(
                 base_url=self.info.server.rstrip("/") + "/",
-                headers=self.info.as_http_headers(),
+                headers={**self.info.as_http_headers(), "User-Agent": self.user_agent},
                 connector=aiohttp.TCPConnector(ssl=ssl, limit=32),
                 timeout=aiohttp.ClientTimeout(total=30),
             )
@@ -89,20 +95,50 @@ class KubeClient:
                 return None
             raise
 
+    async def list_by_labels(self, kind: str, namespace: str,
+                             label_selector: dict[str, str]) -> list[dict[str, Any]]:
+        """Objects of one kind in a namespace with all the given labels.
+
+        List items come without `apiVersion` and `kind`; they are filled in, so an item
+        compares like the object a GET returns.
+        """
+        selector = ",".join(f"{k}={v}" for k, v in label_selector.items())
+        found = await self._call("GET", object_path(kind, namespace), params={"labelSelector": selector})
+        api_version, _ = RESOURCES[kind]
+        return [{"apiVersion": api_version, "kind": kind, **item} for item in found.get("items") or []]
+
     async def create(self, namespace: str, manifest: dict[str, Any]) -> dict[str, Any]:
         """POST a new object."""
         return await self._call("POST", object_path(manifest["kind"], namespace), manifest,
                                 params={"fieldManager": FIELD_MANAGER})
 
-    async def apply(self, namespace: str, manifest: dict[str, Any]) -> dict[str, Any]:
-        """Server-side apply: the operator owns exactly the fields it renders.
+    async def apply(self, namespace: str, manifest: dict[str, Any], field_manager: str = FIELD_MANAGER,
+                    force: bool = True) -> dict[str, Any]:
+        """Server-side apply, which creates the object when it does not exist.
 
-        Fields it stops rendering are removed by the API server; fields others own (an
-        HPA's replicas, defaults) are left alone.
+        The field manager owns exactly the fields in `manifest`: a field it applied before
+        and leaves out now is removed by the API server (unless another manager owns it
+        too). `force` takes over fields another manager changed, which is how the operator
+        puts back a child edited by hand.
         """
         path = object_path(manifest["kind"], namespace, manifest["metadata"]["name"])
-        return await self._call("PATCH", path, manifest, "application/apply-patch+yaml",
-                                params={"fieldManager": FIELD_MANAGER, "force": "true"})
+        params = {"fieldManager": field_manager, "force": "true" if force else "false"}
+        return await self._call("PATCH", path, manifest, APPLY_CONTENT_TYPE, params=params)
+
+    async def delete(self, kind: str, namespace: str, name: str, uid: str) -> bool:
+        """Delete the object named `name` only if its uid is still `uid`; dependents go too.
+
+        Returns False when it is gone already or the name now belongs to another object.
+        """
+        options = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background",
+                   "preconditions": {"uid": uid}}
+        try:
+            await self._call("DELETE", object_path(kind, namespace, name), options)
+        except ApiError as exc:
+            if exc.status in (404, 409):
+                return False
+            raise
+        return True
 
     async def patch_status(self, kind: str, namespace: str, name: str,
                            status: dict[str, Any]) -> dict[str, Any]:

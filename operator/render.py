@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.operator.labels import NIXL_PORT, REDIS_PORT, child_name, labels
-from kvferry.operator.render_pools import render_pool
+from kvferry.operator.render_pod import config_checksum
+from kvferry.operator.render_pools import PodContext, render_pool
 from kvferry.operator.render_redis import render_redis, redis_password_secret
 from kvferry.operator.render_router import render_ingress, render_router
 from kvferry.operator.spec import InferenceServiceSpec
@@ -45,6 +46,7 @@ def render_config_map(spec: InferenceServiceSpec) -> dict[str, Any]:
         "KVFERRY_NIXL_PORT": str(NIXL_PORT),
         "KVFERRY_KV_LEASE_SECONDS": str(spec.kv_transfer.lease_seconds),
         "KVFERRY_KV_FAILURE_POLICY": spec.kv_transfer.failure_policy,
+        "KVFERRY_DRAIN_SECONDS": str(spec.engine.drain_seconds),
     }
     for pool, policy in spec.router.routing.items():
         data[f"KVFERRY_ROUTING_{pool.upper()}"] = policy
@@ -86,15 +88,16 @@ def _secret_env(var: str, secret: str, key: str) -> dict[str, Any]:
 
 def render_children(spec: InferenceServiceSpec) -> list[Child]:
     """Every child of the service, in apply order (config and Redis before the pods)."""
-    children = [Child(render_config_map(spec))]
+    config_map = render_config_map(spec)
+    children = [Child(config_map)]
     if spec.redis.is_managed:
         secret, *rest = render_redis(spec)
         children += [Child(secret, create_only=True)] + [Child(m) for m in rest]
-    env = redis_env(spec)
-    url = redis_url(spec)
+    ctx = PodContext(redis_url=redis_url(spec), redis_env=redis_env(spec),
+                     config_map=config_map_name(spec), config_checksum=config_checksum(config_map))
     for pool in spec.pools.values():
-        children += [Child(m) for m in render_pool(spec, pool, url, env, config_map_name(spec))]
-    children += [Child(m) for m in render_router(spec, url, env, config_map_name(spec))]
+        children += [Child(m) for m in render_pool(spec, pool, ctx)]
+    children += [Child(m) for m in render_router(spec, ctx)]
     if spec.ingress is not None:
         children.append(Child(render_ingress(spec)))
     return children

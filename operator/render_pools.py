@@ -1,7 +1,8 @@
-"""Render one engine pool: Deployment, headless Service, PodDisruptionBudget and HPA."""
+"""Render one engine pool: HPA, Deployment, headless Service and PodDisruptionBudget."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from kvferry.operator.labels import (
@@ -12,9 +13,25 @@ from kvferry.operator.labels import (
     scrape_annotations,
     selector_labels,
 )
-from kvferry.operator.spec import InferenceServiceSpec, PoolSpec, Resources
+from kvferry.operator.render_pod import (
+    CONFIG_CHECKSUM_ANNOTATION,
+    TMP_SIZE_LIMIT,
+    apply_overrides,
+    container_security_context,
+    empty_dir,
+    http_probes,
+    pod_metadata,
+    pod_security_context,
+    resources_manifest,
+)
+from kvferry.operator.spec import InferenceServiceSpec, PoolSpec, RolloutStrategy
 
 MODEL_MOUNT = "/models"
+CACHE_MOUNT = "/cache"
+HUB_CACHE = f"{CACHE_MOUNT}/huggingface"
+RUN_AS_USER = 1000  # the image's kvferry user
+SHUTDOWN_MARGIN_SECONDS = 30  # after the drain: stop the engine process, flush logs
+PROGRESS_MARGIN_SECONDS = 600
 
 
 def serve_args(spec: InferenceServiceSpec, pool: PoolSpec, redis_url: str) -> list[str]:
@@ -57,107 +74,146 @@ def model_arg(spec: InferenceServiceSpec) -> str:
     return MODEL_MOUNT
 
 
+@dataclass(frozen=True)
+class PodContext:
+    """What the engine and router pods of one service share, rendered once per service."""
+
+    redis_url: str  # the `--redis` argument
+    redis_env: list[dict[str, Any]]  # the variables `redis_url` refers to
+    config_map: str  # name of the ConfigMap every pod reads with envFrom
+    config_checksum: str  # sha256 of its data, a pod annotation: a change rolls the pods
+
+
 def model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(volumes, volumeMounts) that make the weights visible at `model_arg`."""
     scheme, path = spec.model.source_scheme, spec.model.source_path
     if scheme == "pvc":
         claim = path.partition("/")[0]
-        source = {"persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        source: dict[str, Any] = {"persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
     elif scheme == "hostpath":
         source = {"hostPath": {"path": path, "type": "Directory"}}
-    elif scheme == "hf":
-        # Hub downloads land in a pod-local cache.
-        return [{"name": "hf-cache", "emptyDir": {}}], [{"name": "hf-cache", "mountPath": "/cache"}]
     else:
-        return [], []
+        return [], []  # demo and hub models live in the cache
     return ([{"name": "model", **source}],
             [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}])
 
 
-def resources_manifest(resources: Resources) -> dict[str, Any]:
-    """A container's `resources` (empty maps left out)."""
-    out: dict[str, Any] = {}
-    if resources.requests:
-        out["requests"] = dict(resources.requests)
-    if resources.limits:
-        out["limits"] = dict(resources.limits)
-    return out
+def cache_volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The writable paths of an engine under a read-only root: /tmp, /cache, /dev/shm.
+
+    /cache holds hub downloads (HF_HOME), compiled kernels and the demo checkpoint
+    (KVFERRY_CACHE); an existing claim named in `spec.model.cache` replaces the hub part, so
+    new pods find the weights already downloaded.
+    """
+    volumes = [
+        empty_dir("tmp", TMP_SIZE_LIMIT),
+        empty_dir("cache", spec.model.cache_size_limit),
+        empty_dir("shm", spec.engine.shm_size, medium="Memory"),
+    ]
+    mounts = [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "cache", "mountPath": CACHE_MOUNT},
+        {"name": "shm", "mountPath": "/dev/shm"},
+    ]
+    if spec.model.cache_claim:
+        claim = {"claimName": spec.model.cache_claim}
+        volumes.append({"name": "hub-cache", "persistentVolumeClaim": claim})
+        mounts.append({"name": "hub-cache", "mountPath": HUB_CACHE})
+    return volumes, mounts
 
 
-def health_probes() -> dict[str, Any]:
-    """Startup, readiness and liveness probes on `GET /health` (model loading may take minutes)."""
-    get = {"httpGet": {"path": "/health", "port": "http"}}
-    return {
-        "startupProbe": {**get, "periodSeconds": 10, "failureThreshold": 90},
-        "readinessProbe": {**get, "periodSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {**get, "periodSeconds": 15, "failureThreshold": 4},
-    }
+def cache_env() -> list[dict[str, Any]]:
+    """Where the engine and the libraries it uses keep files: all under /cache."""
+    return [
+        {"name": "HF_HOME", "value": HUB_CACHE},
+        {"name": "KVFERRY_CACHE", "value": f"{CACHE_MOUNT}/kvferry"},
+        {"name": "XDG_CACHE_HOME", "value": CACHE_MOUNT},
+        {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_MOUNT}/triton"},
+    ]
 
 
-def pod_spec_common(spec: InferenceServiceSpec) -> dict[str, Any]:
-    """Pod-level fields every kvferry pod shares: pull secrets and a non-root context."""
-    out: dict[str, Any] = {
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
-    }
-    if spec.engine.image_pull_secrets:
-        out["imagePullSecrets"] = [{"name": n} for n in spec.engine.image_pull_secrets]
-    return out
+def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
+    """Longer than the engine's drain, so the kubelet never kills a pod that is still draining."""
+    return spec.engine.drain_seconds + SHUTDOWN_MARGIN_SECONDS
 
 
-def _engine_container(spec: InferenceServiceSpec, pool: PoolSpec, redis_url: str,
-                      env: list[dict[str, Any]], config_map: str) -> dict[str, Any]:
-    _, mounts = model_volumes(spec)
-    hf_env = [{"name": "HF_HOME", "value": "/cache"}] if spec.model.source_scheme == "hf" else []
-    return {
+def _engine_container(spec: InferenceServiceSpec, pool: PoolSpec, ctx: PodContext) -> dict[str, Any]:
+    _, model_mounts = model_volumes(spec)
+    _, writable_mounts = cache_volumes(spec)
+    container = {
         "name": "engine",
         "image": spec.engine.image,
         "imagePullPolicy": spec.engine.image_pull_policy,
-        "args": serve_args(spec, pool, redis_url),
+        "args": serve_args(spec, pool, ctx.redis_url),
         "ports": [
             {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
             {"name": "nixl", "containerPort": NIXL_PORT, "protocol": "TCP"},
         ],
-        "env": [*env, *hf_env, {"name": "KVFERRY_ROLE", "value": pool.role},
+        "env": [*ctx.redis_env, *cache_env(), {"name": "KVFERRY_ROLE", "value": pool.role},
                 {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-        "envFrom": [{"configMapRef": {"name": config_map}}],
-        "resources": resources_manifest(pool.resources),
-        "volumeMounts": [*mounts, {"name": "shm", "mountPath": "/dev/shm"}],
-        **health_probes(),
+        "envFrom": [{"configMapRef": {"name": ctx.config_map}}],
+        "volumeMounts": [*model_mounts, *writable_mounts],
+        "securityContext": container_security_context(),
+        **http_probes(spec.engine.startup_seconds),
     }
+    resources = resources_manifest(pool.resources)
+    return {**container, "resources": resources} if resources else container
 
 
-def render_deployment(spec: InferenceServiceSpec, pool: PoolSpec, redis_url: str,
-                      env: list[dict[str, Any]], config_map: str) -> dict[str, Any]:
-    """The pool's Deployment; without `spec.replicas` when an HPA owns the count."""
-    component = pool.name
-    volumes, _ = model_volumes(spec)
-    pod_labels = labels(spec.name, component)
-    anti_affinity = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+def _anti_affinity(spec: InferenceServiceSpec, component: str) -> dict[str, Any]:
+    """Prefer one pod of a pool per node (a node failure takes at most one replica)."""
+    return {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
         "weight": 100,
         "podAffinityTerm": {
             "labelSelector": {"matchLabels": selector_labels(spec.name, component)},
             "topologyKey": "kubernetes.io/hostname",
         },
     }]}}
+
+
+def _engine_pod(spec: InferenceServiceSpec, pool: PoolSpec, ctx: PodContext) -> dict[str, Any]:
+    model, _ = model_volumes(spec)
+    writable, _ = cache_volumes(spec)
     pod: dict[str, Any] = {
-        **pod_spec_common(spec),
-        "containers": [_engine_container(spec, pool, redis_url, env, config_map)],
-        "volumes": [*volumes, {"name": "shm", "emptyDir": {"medium": "Memory"}}],
-        "affinity": anti_affinity,
-        "terminationGracePeriodSeconds": 60,
+        "securityContext": pod_security_context(RUN_AS_USER),
+        "containers": [_engine_container(spec, pool, ctx)],
+        "volumes": [*model, *writable],
+        "affinity": _anti_affinity(spec, pool.name),
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
     }
     if pool.node_selector:
         pod["nodeSelector"] = dict(pool.node_selector)
     if pool.tolerations:
         pod["tolerations"] = [dict(t) for t in pool.tolerations]
+    return apply_overrides(pod, pool.pod, spec.engine.image_pull_secrets)
+
+
+def render_strategy(strategy: RolloutStrategy) -> dict[str, Any]:
+    """A Deployment `strategy`; the default rolls one pod at a time with no surge pod."""
+    if strategy.type == "Recreate":
+        return {"type": "Recreate"}
+    return {"type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": strategy.max_surge, "maxUnavailable": strategy.max_unavailable}}
+
+
+def render_deployment(spec: InferenceServiceSpec, pool: PoolSpec, ctx: PodContext) -> dict[str, Any]:
+    """The pool's Deployment; without `spec.replicas` when an HPA owns the count.
+
+    Leaving `replicas` out of what the operator applies is what hands the field to the HPA
+    under server-side apply (the operator stops owning it); `reconcile` makes sure the
+    count is kept while that happens.
+    """
+    component = pool.name
+    pod_labels = labels(spec.name, component)
+    annotations = {**scrape_annotations(), CONFIG_CHECKSUM_ANNOTATION: ctx.config_checksum}
     deployment_spec: dict[str, Any] = {
         "selector": {"matchLabels": selector_labels(spec.name, component)},
+        "strategy": render_strategy(pool.strategy),
+        # The Deployment reports no progress while the model loads: allow the startup budget.
+        "progressDeadlineSeconds": spec.engine.startup_seconds + PROGRESS_MARGIN_SECONDS,
         "template": {
-            "metadata": {
-                "labels": pod_labels,
-                "annotations": scrape_annotations(),
-            },
-            "spec": pod,
+            "metadata": pod_metadata(pod_labels, annotations, pool.pod),
+            "spec": _engine_pod(spec, pool, ctx),
         },
     }
     if pool.autoscaling is None:
@@ -178,7 +234,6 @@ def render_headless_service(spec: InferenceServiceSpec, pool: PoolSpec) -> dict[
         "metadata": {"name": child_name(spec.name, pool.name), "labels": labels(spec.name, pool.name)},
         "spec": {
             "clusterIP": "None",
-            "publishNotReadyAddresses": False,
             "selector": selector_labels(spec.name, pool.name),
             "ports": [
                 {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
@@ -224,14 +279,9 @@ def render_hpa(spec: InferenceServiceSpec, pool: PoolSpec) -> dict[str, Any]:
     }
 
 
-def render_pool(spec: InferenceServiceSpec, pool: PoolSpec, redis_url: str,
-                env: list[dict[str, Any]], config_map: str) -> list[dict[str, Any]]:
-    """All children of one pool, the HPA only when the pool autoscales."""
-    out = [
-        render_deployment(spec, pool, redis_url, env, config_map),
-        render_headless_service(spec, pool),
-        render_pdb(spec, pool),
-    ]
-    if pool.autoscaling is not None:
-        out.append(render_hpa(spec, pool))
-    return out
+def render_pool(spec: InferenceServiceSpec, pool: PoolSpec, ctx: PodContext) -> list[dict[str, Any]]:
+    """All children of one pool in apply order; the HPA, when the pool autoscales, comes first
+    so that it exists before the Deployment stops carrying a replica count."""
+    hpa = [render_hpa(spec, pool)] if pool.autoscaling is not None else []
+    return [*hpa, render_deployment(spec, pool, ctx), render_headless_service(spec, pool),
+            render_pdb(spec, pool)]

@@ -6,12 +6,21 @@ index); all of it is rebuilt by the pods on restart, so the managed Redis keeps 
 
 from __future__ import annotations
 
+import base64
 import secrets
 from typing import Any
 
 from kvferry.operator.labels import REDIS_PORT, child_name, labels, selector_labels
-from kvferry.operator.render_pools import resources_manifest
+from kvferry.operator.render_pod import (
+    container_security_context,
+    empty_dir,
+    pod_security_context,
+    resources_manifest,
+)
 from kvferry.operator.spec import InferenceServiceSpec
+
+REDIS_UID = 999  # the redis user of the official image
+DATA_SIZE_LIMIT = "256Mi"  # Redis's working directory; nothing is persisted (--save "")
 
 
 def redis_password_secret(service: str) -> str:
@@ -31,9 +40,10 @@ def render_redis(spec: InferenceServiceSpec, password: str | None = None) -> lis
         "kind": "Secret",
         "metadata": {"name": redis_password_secret(spec.name), "labels": labels(spec.name, "redis")},
         "type": "Opaque",
-        "stringData": {"password": password},
+        # `data`, not `stringData`: the API server stores only `data`.
+        "data": {"password": base64.b64encode(password.encode()).decode()},
     }
-    container = {
+    container: dict[str, Any] = {
         "name": "redis",
         "image": spec.redis.image,
         "imagePullPolicy": "IfNotPresent",
@@ -44,9 +54,12 @@ def render_redis(spec: InferenceServiceSpec, password: str | None = None) -> lis
         "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 15},
-        "resources": resources_manifest(spec.redis.resources),
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 999, "allowPrivilegeEscalation": False},
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+        "securityContext": container_security_context(),
     }
+    resources = resources_manifest(spec.redis.resources)
+    if resources:
+        container["resources"] = resources
     pod_labels = labels(spec.name, "redis")
     deployment = {
         "apiVersion": "apps/v1",
@@ -56,7 +69,11 @@ def render_redis(spec: InferenceServiceSpec, password: str | None = None) -> lis
             "replicas": 1,
             "selector": {"matchLabels": selector_labels(spec.name, "redis")},
             "strategy": {"type": "Recreate"},
-            "template": {"metadata": {"labels": pod_labels}, "spec": {"containers": [container]}},
+            "template": {"metadata": {"labels": pod_labels}, "spec": {
+                "securityContext": pod_security_context(REDIS_UID),
+                "containers": [container],
+                "volumes": [empty_dir("data", DATA_SIZE_LIMIT)],
+            }},
         },
     }
     service = {

@@ -11,10 +11,22 @@ from kvferry.operator.labels import (
     scrape_annotations,
     selector_labels,
 )
-from kvferry.operator.render_pools import health_probes, pod_spec_common, resources_manifest
+from kvferry.operator.render_pod import (
+    CONFIG_CHECKSUM_ANNOTATION,
+    TMP_SIZE_LIMIT,
+    apply_overrides,
+    container_security_context,
+    empty_dir,
+    http_probes,
+    pod_metadata,
+    pod_security_context,
+    resources_manifest,
+)
+from kvferry.operator.render_pools import RUN_AS_USER, PodContext
 from kvferry.operator.spec import InferenceServiceSpec
 
 API_KEY_DIR = "/etc/kvferry/api-key"
+ROUTER_STARTUP_SECONDS = 120  # the router loads no model; it only needs Redis
 
 
 def router_args(spec: InferenceServiceSpec, redis_url: str) -> list[str]:
@@ -31,27 +43,33 @@ def router_args(spec: InferenceServiceSpec, redis_url: str) -> list[str]:
     return args
 
 
-def render_router_deployment(spec: InferenceServiceSpec, redis_url: str,
-                             env: list[dict[str, Any]], config_map: str) -> dict[str, Any]:
+def render_router_deployment(spec: InferenceServiceSpec, ctx: PodContext) -> dict[str, Any]:
     """The router's Deployment; the API key Secret is mounted as a file when set."""
-    mounts: list[dict[str, Any]] = []
-    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
+    volumes: list[dict[str, Any]] = [empty_dir("tmp", TMP_SIZE_LIMIT)]
     if spec.router.api_key_secret is not None:
         volumes.append({"name": "api-key", "secret": {"secretName": spec.router.api_key_secret.name}})
         mounts.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
-    container = {
+    container: dict[str, Any] = {
         "name": "router",
         "image": spec.engine.image,
         "imagePullPolicy": spec.engine.image_pull_policy,
-        "args": router_args(spec, redis_url),
+        "args": router_args(spec, ctx.redis_url),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        "env": env,
-        "envFrom": [{"configMapRef": {"name": config_map}}],
-        "resources": resources_manifest(spec.router.resources),
+        "envFrom": [{"configMapRef": {"name": ctx.config_map}}],
         "volumeMounts": mounts,
-        **health_probes(),
+        "securityContext": container_security_context(),
+        **http_probes(ROUTER_STARTUP_SECONDS),
     }
+    if ctx.redis_env:
+        container["env"] = list(ctx.redis_env)
+    resources = resources_manifest(spec.router.resources)
+    if resources:
+        container["resources"] = resources
+    pod = {"securityContext": pod_security_context(RUN_AS_USER), "containers": [container],
+           "volumes": volumes}
     pod_labels = labels(spec.name, "router")
+    annotations = {**scrape_annotations(), CONFIG_CHECKSUM_ANNOTATION: ctx.config_checksum}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -60,11 +78,8 @@ def render_router_deployment(spec: InferenceServiceSpec, redis_url: str,
             "replicas": spec.router.replicas,
             "selector": {"matchLabels": selector_labels(spec.name, "router")},
             "template": {
-                "metadata": {
-                    "labels": pod_labels,
-                    "annotations": scrape_annotations(),
-                },
-                "spec": {**pod_spec_common(spec), "containers": [container], "volumes": volumes},
+                "metadata": pod_metadata(pod_labels, annotations, spec.router.pod),
+                "spec": apply_overrides(pod, spec.router.pod, spec.engine.image_pull_secrets),
             },
         },
     }
@@ -84,10 +99,9 @@ def render_router_service(spec: InferenceServiceSpec) -> dict[str, Any]:
     }
 
 
-def render_router(spec: InferenceServiceSpec, redis_url: str, env: list[dict[str, Any]],
-                  config_map: str) -> list[dict[str, Any]]:
+def render_router(spec: InferenceServiceSpec, ctx: PodContext) -> list[dict[str, Any]]:
     """The router's Deployment and Service."""
-    return [render_router_deployment(spec, redis_url, env, config_map), render_router_service(spec)]
+    return [render_router_deployment(spec, ctx), render_router_service(spec)]
 
 
 def render_ingress(spec: InferenceServiceSpec) -> dict[str, Any]:

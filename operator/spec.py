@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.operator import API_VERSION, KIND
+from kvferry.operator.quantity import QuantityError, canonical_quantity
 from kvferry.operator.schema import admit
 
 POOL_NAMES = ("encoder", "prefill", "decode")
@@ -35,6 +36,8 @@ class ModelSpec:
     type: str  # decoder-only | encoder-decoder
     dtype: str  # auto | float16 | bfloat16 | float32
     max_model_len: int | None  # None: the checkpoint's own
+    cache_claim: str | None  # an existing PVC mounted as the hub cache, shared by the pods
+    cache_size_limit: str  # canonical quantity: size limit of the pod-local /cache
 
     @property
     def source_scheme(self) -> str:
@@ -60,6 +63,9 @@ class EngineSpec:
     max_num_seqs: int | None
     max_num_batched_tokens: int | None
     extra_args: tuple[str, ...]  # appended verbatim to `kvferry serve`
+    drain_seconds: int  # a stopping engine finishes running requests this long (KVFERRY_DRAIN_SECONDS)
+    startup_seconds: int  # budget of the startup probe: model download and load
+    shm_size: str  # canonical quantity: size of the in-memory /dev/shm
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,29 @@ class Autoscaling:
 
 
 @dataclass(frozen=True)
+class PodOverrides:
+    """What a pool's or the router's spec passes through into its pod template, as given."""
+
+    labels: dict[str, str] = field(default_factory=dict)  # extra pod labels
+    annotations: dict[str, str] = field(default_factory=dict)  # extra pod annotations
+    env: tuple[dict[str, Any], ...] = ()  # EnvVar objects; replace the operator's by name
+    env_from: tuple[dict[str, Any], ...] = ()  # EnvFromSource objects
+    affinity: dict[str, Any] = field(default_factory=dict)  # replaces the operator's per key
+    priority_class_name: str | None = None
+    runtime_class_name: str | None = None
+    volumes: tuple[dict[str, Any], ...] = ()  # Volume objects; replace the operator's by name
+    volume_mounts: tuple[dict[str, Any], ...] = ()  # replace the operator's by mountPath
+    image_pull_secrets: tuple[str, ...] = ()  # Secret names, after spec.engine.imagePullSecrets
+
+
+@dataclass(frozen=True)
+class RolloutStrategy:
+    type: str  # RollingUpdate | Recreate
+    max_surge: int | str | None  # RollingUpdate only; 0 by default, so no spare GPU is needed
+    max_unavailable: int | str | None  # RollingUpdate only; 1 by default
+
+
+@dataclass(frozen=True)
 class PoolSpec:
     name: str  # encoder | prefill | decode
     role: str  # the `kvferry serve --role` of its pods
@@ -90,6 +119,8 @@ class PoolSpec:
     node_selector: dict[str, str]
     tolerations: tuple[dict[str, Any], ...]  # Kubernetes Toleration objects, as given
     autoscaling: Autoscaling | None
+    strategy: RolloutStrategy
+    pod: PodOverrides
 
 
 @dataclass(frozen=True)
@@ -104,6 +135,7 @@ class RouterSpec:
     resources: Resources
     routing: dict[str, str]  # pool name -> policy, for the pools that exist
     api_key_secret: SecretKeyRef | None
+    pod: PodOverrides
 
 
 @dataclass(frozen=True)
@@ -152,6 +184,14 @@ class InferenceServiceSpec:
         """True when prefill and decode run in separate pools."""
         return "prefill" in self.pools
 
+    def host_paths(self) -> list[str]:
+        """Fields that mount a node directory (hostPath), for the operator's hostPath policy."""
+        found = ["spec.model.source"] if self.model.source_scheme == "hostpath" else []
+        owners = [(f"spec.pools.{p.name}", p.pod) for p in self.pools.values()]
+        for where, pod in [*owners, ("spec.router", self.router.pod)]:
+            found += [f"{where}.volumes[{i}]" for i, v in enumerate(pod.volumes) if "hostPath" in v]
+        return found
+
 
 def parse_spec(obj: dict[str, Any], default_namespace: str = "default") -> InferenceServiceSpec:
     """Parse an InferenceService manifest (a dict, as from YAML or the API server).
@@ -166,6 +206,13 @@ def parse_spec(obj: dict[str, Any], default_namespace: str = "default") -> Infer
     defaulted, errors = admit(obj)
     if errors:
         raise SpecError(name, errors)
+    try:
+        return _build(name, defaulted, default_namespace)
+    except QuantityError as exc:  # a quantity the schema's pattern lets through, e.g. 1e1.5
+        raise SpecError(name, [str(exc)]) from exc
+
+
+def _build(name: str, defaulted: dict[str, Any], default_namespace: str) -> InferenceServiceSpec:
     spec = defaulted["spec"]
     namespace = defaulted["metadata"].get("namespace") or default_namespace
     pools = {p: _pool(p, spec["pools"][p], spec) for p in POOL_NAMES if p in spec["pools"]}
@@ -192,6 +239,8 @@ def _model(m: dict[str, Any], name: str) -> ModelSpec:
         type=m["type"],
         dtype=m["dtype"],
         max_model_len=m.get("maxModelLen"),
+        cache_claim=m["cache"].get("claimName"),
+        cache_size_limit=canonical_quantity(m["cache"]["sizeLimit"]),
     )
 
 
@@ -208,15 +257,48 @@ def _engine(e: dict[str, Any]) -> EngineSpec:
         max_num_seqs=e.get("maxNumSeqs"),
         max_num_batched_tokens=e.get("maxNumBatchedTokens"),
         extra_args=tuple(e.get("extraArgs", ())),
+        drain_seconds=e["drainSeconds"],
+        startup_seconds=e["startupSeconds"],
+        shm_size=canonical_quantity(e["shmSize"]),
     )
 
 
 def _resources(r: dict[str, Any] | None) -> Resources:
     r = r or {}
     return Resources(
-        requests={k: str(v) for k, v in r.get("requests", {}).items()},
-        limits={k: str(v) for k, v in r.get("limits", {}).items()},
+        requests={k: canonical_quantity(v) for k, v in r.get("requests", {}).items()},
+        limits={k: canonical_quantity(v) for k, v in r.get("limits", {}).items()},
     )
+
+
+def _pod_overrides(p: dict[str, Any]) -> PodOverrides:
+    return PodOverrides(
+        labels=dict(p.get("podLabels", {})),
+        annotations=dict(p.get("podAnnotations", {})),
+        env=tuple(p.get("env", ())),
+        env_from=tuple(p.get("envFrom", ())),
+        affinity=dict(p.get("affinity", {})),
+        priority_class_name=p.get("priorityClassName"),
+        runtime_class_name=p.get("runtimeClassName"),
+        volumes=tuple(_canonical_volume(v) for v in p.get("volumes", ())),
+        volume_mounts=tuple(p.get("volumeMounts", ())),
+        image_pull_secrets=tuple(p.get("imagePullSecrets", ())),
+    )
+
+
+def _canonical_volume(volume: dict[str, Any]) -> dict[str, Any]:
+    # The API server rewrites an emptyDir's sizeLimit in canonical form (8192Mi -> 8Gi);
+    # passing it through as written would make the pod template differ on every read.
+    empty_dir = volume.get("emptyDir")
+    if not isinstance(empty_dir, dict) or "sizeLimit" not in empty_dir:
+        return dict(volume)
+    return {**volume, "emptyDir": {**empty_dir, "sizeLimit": canonical_quantity(empty_dir["sizeLimit"])}}
+
+
+def _strategy(s: dict[str, Any]) -> RolloutStrategy:
+    if s["type"] == "Recreate":
+        return RolloutStrategy("Recreate", None, None)
+    return RolloutStrategy("RollingUpdate", s.get("maxSurge", 0), s.get("maxUnavailable", 1))
 
 
 def _role(pool: str, spec: dict[str, Any]) -> str:
@@ -238,9 +320,12 @@ def _pool(pool: str, p: dict[str, Any], spec: dict[str, Any]) -> PoolSpec:
             min_replicas=scaling["minReplicas"],
             max_replicas=scaling["maxReplicas"],
             metrics=tuple(
-                MetricTarget(m["name"], str(m["targetAverageValue"])) for m in scaling["metrics"]
+                MetricTarget(m["name"], canonical_quantity(m["targetAverageValue"]))
+                for m in scaling["metrics"]
             ),
         ),
+        strategy=_strategy(p["strategy"]),
+        pod=_pod_overrides(p),
     )
 
 
@@ -255,6 +340,7 @@ def _router(r: dict[str, Any], pools: dict[str, PoolSpec]) -> RouterSpec:
         resources=_resources(r.get("resources")),
         routing=routing,
         api_key_secret=_secret_ref(r.get("apiKeySecret")),
+        pod=_pod_overrides(r),
     )
 
 

@@ -70,7 +70,8 @@ def _condition(kind: str, ok: bool, reason: str, message: str, previous: dict[st
 
 
 def _ready(states: list[ComponentState]) -> tuple[bool, str, str]:
-    waiting = [s for s in states if s.desired < 1 or s.ready < s.desired]
+    # A component scaled to 0 is ready at 0/0: it has all the pods it was asked for.
+    waiting = [s for s in states if s.ready < s.desired]
     if not waiting:
         return True, "AllReplicasReady", "every component is ready"
     detail = ", ".join(f"{s.component} {s.ready}/{s.desired}" for s in waiting)

@@ -3,6 +3,10 @@
 A request's blocks form its block table, which is append-only while the request runs:
 prefix-cache hits come first, then newly allocated blocks. Preemption and finishing free
 the whole table.
+
+Allocation never indexes blocks in the prefix cache: the scheduler calls
+`cache_full_blocks` once a step has written them (a block allocated for a step that is
+then undone must not be found by a later request).
 """
 
 from __future__ import annotations
@@ -58,8 +62,12 @@ class KVCacheManager:
         return np.fromiter(map(len, tables), np.int64, num) * self.block_size
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Indexes the request's blocks that are full once it has `num_tokens` computed."""
-        self._cache_full_blocks(request, self.req_to_blocks[request.request_id], num_tokens)
+        """Indexes the request's blocks that are full once `num_tokens` have KV in the cache.
+
+        Called only after the step that computed them (see the module docstring).
+        """
+        if self.enable_caching:
+            self._cache_full_blocks(request, self.req_to_blocks[request.request_id], num_tokens)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Returns the longest cached prefix of a new request and its length in tokens.
@@ -107,8 +115,6 @@ class KVCacheManager:
             # Fast path (most decode steps): the tokens fit the request's last block.
             num_tokens_after = request.num_computed_tokens + num_new_tokens
             if num_tokens_after <= len(blocks) * self.block_size:
-                if self.enable_caching and num_tokens_after % self.block_size == 0:
-                    self._cache_full_blocks(request, blocks, num_tokens_after)
                 return []
         computed = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
@@ -124,8 +130,9 @@ class KVCacheManager:
         blocks.extend(computed)
         new_blocks = self.block_pool.get_new_blocks(max(num_required, 0))
         blocks.extend(new_blocks)
-        if self.enable_caching:
-            self._cache_full_blocks(request, blocks, num_tokens_after)
+        if computed:
+            # Hits are indexed already; the request's own caching starts after them.
+            self.num_cached_blocks[request.request_id] = len(computed)
         return new_blocks
 
     def allocate_running_slots(
@@ -154,7 +161,7 @@ class KVCacheManager:
     def _cache_full_blocks(
         self, request: Request, blocks: list[KVCacheBlock], num_tokens: int
     ) -> None:
-        """Indexes the blocks that will be full (and whose tokens are known) after this step."""
+        """Indexes blocks [cached so far, full at `num_tokens`) under their chained hashes."""
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         first = self.num_cached_blocks.get(request.request_id, 0)
         if num_full <= first:

@@ -89,7 +89,8 @@ class ModelRunner:
         self.sampler = Sampler()
         # Every request the runner knows, in the batch or not (unscheduled this step).
         self.requests: dict[str, CachedRequestState] = {}
-        # Seeded generators by request; they outlive preemption (see _generator_for).
+        # Seeded generators by request; they outlive preemption (see _generator_for) and
+        # go when the scheduler reports the request finished.
         self._generators: dict[str, torch.Generator] = {}
 
     def _allocate_kv_cache(
@@ -140,8 +141,9 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         """Applies the scheduler's diff to the persistent batch."""
         batch = self.input_batch
+        self._forget_requests(so.finished_req_ids)
         gone = so.finished_req_ids | so.preempted_req_ids
-        for req_id in gone:
+        for req_id in so.preempted_req_ids:
             self.requests.pop(req_id, None)
         # Rows not scheduled this step leave the batch (their state is kept).
         unscheduled = set(batch.active_req_ids).difference(so.num_scheduled_tokens)
@@ -151,7 +153,7 @@ class ModelRunner:
                 req_id=new.req_id,
                 prompt_token_ids=new.token_ids[: new.num_prompt_tokens],
                 sampling_params=new.sampling_params,
-                generator=self._generator_for(new.req_id, new.sampling_params.seed),
+                generator=self._generator_for(new.req_id, new.sampling_params.seed, new.is_resumed),
                 output_token_ids=new.token_ids[new.num_prompt_tokens :],
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
@@ -179,20 +181,40 @@ class ModelRunner:
         state.num_computed_tokens = cached.num_computed_tokens[i]
         return self.input_batch.add_request(state)
 
-    def _generator_for(self, req_id: str, seed: int | None) -> torch.Generator | None:
+    def _generator_for(
+        self, req_id: str, seed: int | None, is_resumed: bool
+    ) -> torch.Generator | None:
         # A request resumed after preemption keeps its generator, so its samples do not
-        # depend on whether it was preempted.
-        previous = self._generators.get(req_id)
-        if previous is not None or seed is None:
-            return previous
+        # depend on whether it was preempted; any other request starts a fresh one.
+        if is_resumed and req_id in self._generators:
+            return self._generators[req_id]
+        if seed is None:
+            self._generators.pop(req_id, None)
+            return None
         generator = torch.Generator(device=self.device).manual_seed(seed)
         self._generators[req_id] = generator
         return generator
 
-    def forget_requests(self, req_ids: set[str]) -> None:
-        """Drops per-request state that outlives the batch row (seeded generators)."""
+    def _forget_requests(self, req_ids: set[str]) -> None:
+        """Drops everything kept for finished requests (rows are removed by the caller)."""
         for req_id in req_ids:
+            self.requests.pop(req_id, None)
             self._generators.pop(req_id, None)
+
+    def recover_from_failed_step(self, failed_req_ids: list[str]) -> None:
+        """Returns to a consistent state after `execute_model` raised.
+
+        The failed step's requests are gone (the scheduler finished them); every row is
+        dropped, because the step may have left rows half updated. The other requests
+        keep their `CachedRequestState` and are rebuilt from it when next scheduled.
+        """
+        self._forget_requests(set(failed_req_ids))
+        self.input_batch.remove_requests(list(self.input_batch.active_req_ids))
+
+    @property
+    def num_tracked_requests(self) -> int:
+        """Requests with runner state (rows, cached states or generators); 0 when idle."""
+        return len(self.requests.keys() | self._generators.keys())
 
     def _attention_metadata(self, prepared: PreparedInputs) -> AttentionMetadata:
         num_reqs = prepared.seq_lens.shape[0]

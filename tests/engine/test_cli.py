@@ -32,10 +32,11 @@ def test_generate_prints_the_same_tokens_as_the_offline_api(make_checkpoint) -> 
     result = _kvferry(
         "generate", "--model", str(path), "--prompt", "w5 w6 w7", "--prompt", "w9",
         "--max-tokens", "5", "--ignore-eos", "--json", "--num-gpu-blocks-override", "32",
+        "--max-model-len", "256",
     )
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in result.stdout.splitlines()]
-    llm = LLM(model=str(path), num_gpu_blocks_override=32)
+    llm = LLM(model=str(path), max_model_len=256, num_gpu_blocks_override=32)
     expected = llm.generate(
         ["w5 w6 w7", "w9"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
         use_tqdm=False,

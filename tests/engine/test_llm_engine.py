@@ -112,7 +112,7 @@ def test_unknown_architecture_and_missing_tensors(make_checkpoint, tmp_path) -> 
     (bad_arch / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="unsupported architecture 'MambaForCausalLM'; "
                                          "supported: LlamaForCausalLM"):
-        LLM(model=str(bad_arch), num_gpu_blocks_override=8)
+        LLM(model=str(bad_arch), max_model_len=64, num_gpu_blocks_override=8)
 
     from safetensors.torch import load_file, save_file
 
@@ -122,7 +122,7 @@ def test_unknown_architecture_and_missing_tensors(make_checkpoint, tmp_path) -> 
     del weights["model.layers.1.mlp.down_proj.weight"]
     save_file(weights, missing / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj.weight"):
-        LLM(model=str(missing), num_gpu_blocks_override=8)
+        LLM(model=str(missing), max_model_len=64, num_gpu_blocks_override=8)
 
 
 def test_prompt_forms_and_output_fields(llm) -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from kvferry.engine.config import SchedulerConfig
 from kvferry.engine.kv_cache import KVCacheManager
+from kvferry.engine.messages import EngineCoreOutput, FinishReason
 from kvferry.engine.request import Request, RequestStatus
 from kvferry.engine.sampling_params import SamplingParams
 from kvferry.engine.scheduler import Scheduler
@@ -66,7 +67,7 @@ def cached_reqs(output: SchedulerOutput) -> list[tuple[str, list[int], int]]:
 
 def sample(
     scheduler: Scheduler, output: SchedulerOutput, tokens: dict[str, int]
-) -> list[tuple[Request, list[int]]]:
+) -> list[EngineCoreOutput]:
     """Plays the runner: `tokens` holds the token sampled by each request that samples."""
     runner_output = ModelRunnerOutput(req_ids=list(tokens), sampled_token_ids=list(tokens.values()))
     return scheduler.update_from_output(output, runner_output)
@@ -141,7 +142,7 @@ def test_decode_steps_send_only_appended_block_ids() -> None:
     scheduler.add_request(b)
     out = scheduler.schedule()
     updates = sample(scheduler, out, {"a": 50, "b": 60})
-    assert [(r.request_id, t) for r, t in updates] == [("a", [50]), ("b", [60])]
+    assert [(o.req_id, o.new_token_ids) for o in updates] == [("a", [50]), ("b", [60])]
     assert a.all_token_ids == prompt(6, 100) + [50]
 
     out = scheduler.schedule()
@@ -551,7 +552,7 @@ def test_abort_of_a_running_request_frees_blocks_and_is_reported_once() -> None:
     finished = scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert finished == [a]
     assert a.status == RequestStatus.FINISHED_ABORTED
-    assert a.status.finish_reason == "abort"
+    assert a.status.finish_reason == FinishReason.ABORT
     assert scheduler.kv_cache_manager.get_block_ids("a") == []
     assert scheduler.kv_cache_manager.num_free_blocks == 13
     assert scheduler.running == [b]
@@ -563,7 +564,7 @@ def test_abort_of_a_running_request_frees_blocks_and_is_reported_once() -> None:
     assert out.num_scheduled_tokens == {"b": 1}
     # A token sampled for a request aborted mid-step is dropped.
     updates = sample(scheduler, out, {"a": 51, "b": 61})
-    assert [(r.request_id, t) for r, t in updates] == [("b", [61])]
+    assert [(o.req_id, o.new_token_ids) for o in updates] == [("b", [61])]
     assert a.output_token_ids == [50]
 
     out = scheduler.schedule()
@@ -573,7 +574,8 @@ def test_abort_of_a_running_request_frees_blocks_and_is_reported_once() -> None:
     assert_all_blocks_free(scheduler)
 
 
-def test_abort_of_a_waiting_request_is_not_reported_to_the_runner() -> None:
+def test_abort_of_a_waiting_request_is_reported_once() -> None:
+    # The runner drops whatever it keeps for a finished id and ignores ids it never saw.
     scheduler = make_scheduler(max_num_seqs=1)
     a, b = make_request("a", 4, start=100), make_request("b", 4, start=200)
     scheduler.add_request(a)
@@ -585,14 +587,17 @@ def test_abort_of_a_waiting_request_is_not_reported_to_the_runner() -> None:
     assert scheduler.finish_requests(["b"], RequestStatus.FINISHED_ABORTED) == []
 
     out = scheduler.schedule()
-    assert out.finished_req_ids == set()
+    assert out.finished_req_ids == {"b"}
+    assert scheduler.schedule().finished_req_ids == set()
     assert scheduler.get_num_unfinished_requests() == 1
 
     drain(scheduler)
     assert_all_blocks_free(scheduler)
 
 
-def test_abort_of_a_preempted_request_is_not_reported_again() -> None:
+def test_abort_of_a_preempted_request_is_reported_to_the_runner() -> None:
+    # The runner dropped b's row at preemption but keeps its seeded generator for when it
+    # resumes; only a finished id tells it to let go.
     scheduler = make_scheduler(num_blocks=4)
     a = make_request("a", 2, start=100, max_tokens=2)
     b = make_request("b", 8, start=200, max_tokens=2)
@@ -605,7 +610,7 @@ def test_abort_of_a_preempted_request_is_not_reported_again() -> None:
     assert scheduler.finish_requests(["b"], RequestStatus.FINISHED_ABORTED) == [b]
     assert len(scheduler.waiting) == 0
     out = scheduler.schedule()
-    assert out.finished_req_ids == set()
+    assert out.finished_req_ids == {"b"}
 
     drain(scheduler)
     assert_all_blocks_free(scheduler)
@@ -642,7 +647,7 @@ def test_eos_stops_the_request() -> None:
     scheduler, request, _ = run_one([5, EOS, 6])
     assert request.output_token_ids == [5, EOS]
     assert request.status == RequestStatus.FINISHED_STOPPED
-    assert request.status.finish_reason == "stop"
+    assert request.status.finish_reason == FinishReason.STOP
     assert request.stop_reason is None
     assert scheduler.schedule().finished_req_ids == {"r"}
     assert_all_blocks_free(scheduler)
@@ -674,7 +679,7 @@ def test_max_tokens_caps_the_length() -> None:
     scheduler, request, _ = run_one([5, 6, 7, 8], max_tokens=3)
     assert request.output_token_ids == [5, 6, 7]
     assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
-    assert request.status.finish_reason == "length"
+    assert request.status.finish_reason == FinishReason.LENGTH
     assert_all_blocks_free(scheduler)
 
 
@@ -729,7 +734,7 @@ def test_partial_prefill_chunks_are_not_sampled_or_stopped() -> None:
     out = scheduler.schedule()
     assert out.num_scheduled_tokens == {"r": 2}
     updates = sample(scheduler, out, {"r": 5})
-    assert [(r.request_id, t) for r, t in updates] == [("r", [5])]
+    assert [(o.req_id, o.new_token_ids) for o in updates] == [("r", [5])]
     assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert_all_blocks_free(scheduler)
 
@@ -739,4 +744,5 @@ def test_make_stats_reports_running_waiting_and_usage() -> None:
     scheduler.add_request(make_request("a", 8, start=100))
     scheduler.add_request(make_request("b", 4, start=200))
     scheduler.schedule()
-    assert scheduler.make_stats() == (1, 1, 0.5)
+    stats = scheduler.make_stats()
+    assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage) == (1, 1, 0.5)

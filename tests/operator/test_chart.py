@@ -2,41 +2,15 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import kubernetes_validate
 import pytest
-import yaml
 
+from chart import ALL_ON, CHART, rendered, run_helm
 from kvferry.operator.schema import load_crd
 from operator_factories import ROOT
-
-CHART = ROOT / "charts" / "kvferry"
-ALL_ON = ["--set", "redis.enabled=true", "--set", "redis.existingSecret=redis-auth",
-          "--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.prometheusAdapterRules.enabled=true",
-          "--set", "operator.watchNamespaces={team-a,team-b}"]
-
-
-@pytest.fixture(scope="module")
-def helm() -> str:
-    local = ROOT / ".cache" / "bin" / "helm"
-    found = str(local) if local.exists() else shutil.which("helm")
-    assert found, "no helm binary: run `bash .ci/install-helm.sh` (puts one in .cache/bin)"
-    return found
-
-
-def run_helm(helm: str, *args: str) -> str:
-    done = subprocess.run([helm, *args], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
-def rendered(helm: str, *values: str) -> list[dict[str, Any]]:
-    out = run_helm(helm, "template", "kv", str(CHART), "--namespace", "kvferry-system", "--include-crds", *values)
-    return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
 def test_helm_lint_passes(helm: str) -> None:
@@ -53,9 +27,13 @@ def test_helm_template_validates(helm: str, values: list[str]) -> None:
             continue
         kubernetes_validate.validate(doc, "1.30", strict=True)
     kinds = sorted(d["kind"] for d in docs)
-    expected = ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment", "ServiceAccount"]
-    assert kinds == (expected if not values else sorted(
-        [*expected, "ConfigMap", "Deployment", "Service", "ServiceMonitor"]))
+    if not values:
+        assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment",
+                         "ServiceAccount"]
+    else:  # a Role and RoleBinding per watched namespace, nothing cluster-wide
+        assert kinds == sorted(["ConfigMap", "CustomResourceDefinition", "Deployment", "Deployment", "Role",
+                                "Role", "RoleBinding", "RoleBinding", "Service", "ServiceAccount",
+                                "ServiceMonitor"])
 
 
 def test_chart_installs_the_crd_from_crds_folder(helm: str) -> None:
@@ -64,17 +42,24 @@ def test_chart_installs_the_crd_from_crds_folder(helm: str) -> None:
 
 
 def test_operator_deployment_and_rbac(helm: str) -> None:
-    docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered(helm, *ALL_ON)}
-    deployment = docs[("Deployment", "kv-kvferry-operator")]
+    docs = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d for d in rendered(helm, *ALL_ON)}
+    deployment = docs[("Deployment", "kvferry-system", "kv-kvferry-operator")]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == "ghcr.io/kvferry/kvferry:0.1.0"
     assert container["args"] == ["kvferry", "operator", "--liveness", "http://0.0.0.0:8080/healthz",
-                                 "--namespace", "team-a", "--namespace", "team-b"]
-    rules = docs[("ClusterRole", "kv-kvferry-operator")]["rules"]
-    verbs = {(g, r): set(rule["verbs"]) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
-    assert verbs[("", "secrets")] == {"get", "create"}
-    assert not any("delete" in v or "*" in v for v in verbs.values())
-    assert verbs[("kvferry.dev", "inferenceservices/status")] == {"get", "patch"}
+                                 "--namespace", "team-a", "--namespace", "team-b", "--allow-host-path"]
+    for namespace in ("team-a", "team-b"):
+        rules = docs[("Role", namespace, "kv-kvferry-operator")]["rules"]
+        verbs = {(g, r): set(rule["verbs"]) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
+        assert verbs[("", "secrets")] == {"get", "create", "delete"}  # never list or watch
+        assert "delete" not in verbs[("", "configmaps")]
+        assert not any("*" in v for v in verbs.values())
+        binding = docs[("RoleBinding", namespace, "kv-kvferry-operator")]
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kv-kvferry-operator",
+                                        "namespace": "kvferry-system"}]
+    default_args = [d for d in rendered(helm) if d["kind"] == "Deployment"][0]["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+    assert "--allow-host-path" not in default_args
 
 
 def test_required_values_fail_loudly(helm: str) -> None:

@@ -100,6 +100,115 @@ def test_autoscaled_pool_leaves_replicas_to_the_hpa() -> None:
     fixed = by_name(render_children(parse_spec(service(minimal(pools={"decode": {"replicas": 3}})))))
     assert fixed["Deployment/svc-decode"]["spec"]["replicas"] == 3
     assert "HorizontalPodAutoscaler/svc-decode" not in fixed
+    # The HPA is applied before the Deployment that stops carrying a count.
+    names = list(children)
+    assert names.index("HorizontalPodAutoscaler/svc-decode") < names.index("Deployment/svc-decode")
+
+
+def pod_of(children: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
+    return children[f"Deployment/{name}"]["spec"]["template"]
+
+
+PASSTHROUGH = {
+    "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+            {"name": "XDG_CACHE_HOME", "value": "/cache/xdg"}],
+    "envFrom": [{"secretRef": {"name": "extra"}}],
+    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]}}},
+    "priorityClassName": "inference-high",
+    "runtimeClassName": "nvidia",
+    "volumes": [{"name": "prompts", "configMap": {"name": "prompts"}},
+                {"name": "tmp", "emptyDir": {"sizeLimit": "8Gi"}}],
+    "volumeMounts": [{"name": "prompts", "mountPath": "/etc/prompts", "readOnly": True}],
+    "imagePullSecrets": ["mirror", "regcred"],
+    "podLabels": {"team": "ml", "kvferry.dev/component": "hijack"},
+    "podAnnotations": {"example.com/owner": "ml"},
+}
+
+
+def test_pod_passthrough_reaches_the_pool_and_router_pods() -> None:
+    spec = minimal(pools={"decode": dict(PASSTHROUGH)}, router=dict(PASSTHROUGH),
+                   engine={"imagePullSecrets": ["regcred"]})
+    children = by_name(render_children(parse_spec(service(spec))))
+    for name, container_name in (("svc-decode", "engine"), ("svc-router", "router")):
+        template = pod_of(children, name)
+        pod = template["spec"]
+        (container,) = pod["containers"]
+        assert container["name"] == container_name
+        env = {e["name"]: e for e in container["env"]}
+        assert env["HF_TOKEN"] == PASSTHROUGH["env"][0]
+        assert [e["name"] for e in container["env"]].count("XDG_CACHE_HOME") == 1
+        assert container["envFrom"][-1] == {"secretRef": {"name": "extra"}}
+        assert container["envFrom"][0] == {"configMapRef": {"name": "svc-config"}}
+        assert {"name": "prompts", "mountPath": "/etc/prompts", "readOnly": True} in container["volumeMounts"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["prompts"] == {"name": "prompts", "configMap": {"name": "prompts"}}
+        assert volumes["tmp"] == {"name": "tmp", "emptyDir": {"sizeLimit": "8Gi"}}  # replaced, not doubled
+        assert [v["name"] for v in pod["volumes"]].count("tmp") == 1
+        assert pod["affinity"]["nodeAffinity"] == PASSTHROUGH["affinity"]["nodeAffinity"]
+        assert (pod["priorityClassName"], pod["runtimeClassName"]) == ("inference-high", "nvidia")
+        assert pod["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
+        assert template["metadata"]["labels"]["team"] == "ml"
+        assert template["metadata"]["labels"]["kvferry.dev/component"] == name.removeprefix("svc-")
+        assert template["metadata"]["annotations"]["example.com/owner"] == "ml"
+    engine = pod_of(children, "svc-decode")["spec"]
+    assert {e["name"]: e.get("value") for e in engine["containers"][0]["env"]}["XDG_CACHE_HOME"] == "/cache/xdg"
+    # The default spread across nodes stays beside the passed-through node affinity.
+    assert "podAntiAffinity" in engine["affinity"]
+
+
+def test_rollouts_need_no_spare_gpu_by_default() -> None:
+    children = by_name(render_children(parse_spec(service(minimal()))))
+    assert children["Deployment/svc-decode"]["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    custom = minimal(pools={"decode": {"strategy": {"maxSurge": "25%", "maxUnavailable": 0}},
+                            "prefill": {"strategy": {"type": "Recreate"}}})
+    children = by_name(render_children(parse_spec(service(custom))))
+    assert children["Deployment/svc-decode"]["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": "25%", "maxUnavailable": 0}
+    assert children["Deployment/svc-prefill"]["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_probes_allow_model_loading_and_grace_outlasts_the_drain() -> None:
+    spec = minimal(engine={"drainSeconds": 120, "startupSeconds": 3600})
+    children = by_name(render_children(parse_spec(service(spec))))
+    deployment = children["Deployment/svc-decode"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    startup = container["startupProbe"]
+    assert startup["httpGet"] == {"path": "/health", "port": "http"}
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/ping"
+    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 120
+    assert deployment["spec"]["progressDeadlineSeconds"] > 3600
+    assert children["ConfigMap/svc-config"]["data"]["KVFERRY_DRAIN_SECONDS"] == "120"
+    router = pod_of(children, "svc-router")["spec"]["containers"][0]
+    assert (router["readinessProbe"]["httpGet"]["path"], router["livenessProbe"]["httpGet"]["path"]) == (
+        "/health", "/ping")
+
+
+def test_a_cache_claim_becomes_the_hub_cache() -> None:
+    spec = minimal(model={"source": "hf://meta-llama/Llama-3.1-8B", "cache": {"claimName": "hub"}})
+    pod = pod_of(by_name(render_children(parse_spec(service(spec)))), "svc-decode")["spec"]
+    container = pod["containers"][0]
+    assert {"name": "hub-cache", "persistentVolumeClaim": {"claimName": "hub"}} in pod["volumes"]
+    assert {"name": "hub-cache", "mountPath": "/cache/huggingface"} in container["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert (env["HF_HOME"], env["KVFERRY_CACHE"]) == ("/cache/huggingface", "/cache/kvferry")
+    assert {v["name"]: v for v in pod["volumes"]}["cache"]["emptyDir"] == {"sizeLimit": "64Gi"}
+
+
+def test_the_config_checksum_follows_the_config_map() -> None:
+    def checksums(spec: dict[str, Any]) -> set[str]:
+        children = by_name(render_children(parse_spec(service(spec))))
+        return {pod_of(children, n)["metadata"]["annotations"]["kvferry.dev/config-checksum"]
+                for n in ("svc-decode", "svc-router")}
+
+    base = checksums(minimal())
+    assert len(base) == 1  # every pod that reads the ConfigMap carries the same checksum
+    assert checksums(minimal(router={"routing": {"decode": "round-robin"}})) != base
+    assert checksums(minimal(kvTransfer={"failurePolicy": "fail"})) != base
+    assert checksums(minimal(pools={"decode": {"replicas": 5}})) == base
 
 
 def test_pods_spread_are_scraped_and_pool_services_are_headless() -> None:

@@ -90,7 +90,33 @@ CEL_INVALID = [
     (_with("ingress", {"tls": {"secretName": "t"}}), "spec.ingress.tls: spec.ingress.tls needs spec.ingress.host"),
     (_with("router", {"routing": {"prefill": "prefix-aware"}}), "there is no spec.pools.prefill"),
     (_with("router", {"routing": {"encoder": "round-robin"}}), "there is no spec.pools.encoder"),
+    ({**_with("engine", {"tensorParallelSize": 2, "pipelineParallelSize": 2}),
+      "pools": {"decode": {"resources": {"limits": {"nvidia.com/gpu": 2}}}}},
+     "spec.pools.decode.resources: nvidia.com/gpu must be at least engine.tensorParallelSize x "
+     "engine.pipelineParallelSize"),
+    ({**_with("engine", {"tensorParallelSize": 4}),
+      "pools": {"decode": {}, "prefill": {"resources": {"requests": {"nvidia.com/gpu": "2"}}}}},
+     "spec.pools.prefill.resources: nvidia.com/gpu must be at least"),
+    (_with("model.source", "hostpath:///"), "spec.model.source: hostpath:/// needs a normalized absolute path"),
+    (_with("model.source", "hostpath:///mnt/../"), "spec.model.source: hostpath:/// needs"),
+    (_with("model.source", "hostpath:////"), "spec.model.source: hostpath:/// needs"),
+    (_with("model.source", "hostpath:///mnt//models"), "spec.model.source: hostpath:/// needs"),
+    (_with("pools.decode", {"strategy": {"type": "Recreate", "maxSurge": 1}}),
+     "maxSurge and strategy.maxUnavailable apply to RollingUpdate only"),
+    (_with("pools.decode", {"strategy": {"maxUnavailable": 0}}),
+     "spec.pools.decode.strategy.maxUnavailable: strategy.maxUnavailable 0 needs a maxSurge above 0"),
 ]
+
+
+@pytest.mark.parametrize("spec", [
+    {**_with("engine", {"tensorParallelSize": 2, "pipelineParallelSize": 2}),
+     "pools": {"decode": {"resources": {"limits": {"nvidia.com/gpu": 4}, "requests": {"nvidia.com/gpu": "4"}}}}},
+    _with("pools.decode", {"resources": {"limits": {"cpu": "1", "memory": "1Gi"}}}),
+    _with("model.source", "hostpath:///mnt/models/llama-3.1.8b"),
+    _with("pools.decode", {"strategy": {"maxUnavailable": 0, "maxSurge": "25%"}}),
+], ids=["gpus-cover-tp-x-pp", "no-gpus", "hostpath-normalized", "surge-instead-of-unavailable"])
+def test_cel_rules_admit(spec: dict[str, Any]) -> None:
+    assert admit(service(spec))[1] == []
 
 
 @pytest.mark.parametrize(("spec", "fragment"), INVALID)
@@ -120,3 +146,22 @@ def test_cel_rule_on_the_name_limits_child_names() -> None:
 def test_wrong_kind_is_rejected() -> None:
     with pytest.raises(SpecError, match="apiVersion/kind"):
         parse_spec({**service(minimal()), "kind": "Deployment"})
+
+
+def test_host_paths_names_every_hostpath_volume() -> None:
+    volume = {"name": "scratch", "hostPath": {"path": "/mnt/scratch"}}
+    spec = parse_spec(service(minimal(model={"source": "hostpath:///mnt/models/x"},
+                                      pools={"decode": {"volumes": [{"name": "a", "emptyDir": {}}, volume]}},
+                                      router={"volumes": [volume]})))
+    assert spec.host_paths() == ["spec.model.source", "spec.pools.decode.volumes[1]", "spec.router.volumes[0]"]
+    assert parse_spec(service(minimal())).host_paths() == []
+
+
+def test_passed_through_quantities_are_canonical() -> None:
+    volumes = [{"name": "tmp", "emptyDir": {"sizeLimit": "8192Mi"}}, {"name": "c", "configMap": {"name": "c"}}]
+    spec = parse_spec(service(minimal(pools={"decode": {"volumes": volumes}},
+                                      model={"source": "demo", "cache": {"sizeLimit": "0.5Ti"}},
+                                      engine={"shmSize": 2**31})))
+    assert spec.pools["decode"].pod.volumes == ({"name": "tmp", "emptyDir": {"sizeLimit": "8Gi"}}, volumes[1])
+    # A plain integer is a decimal quantity: the API server never writes it in Gi.
+    assert (spec.model.cache_size_limit, spec.engine.shm_size) == ("512Gi", "2147483648")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvferry.operator.reconcile import is_subset
+from kvferry.operator.children import is_subset
 from kvferry.operator.status import Problem, build_status, component_state, status_patch
 
 NOW, LATER = "2030-01-01T00:00:00Z", "2030-01-01T00:05:00Z"
@@ -82,11 +82,10 @@ def test_is_subset_ignores_server_fields_and_string_quantities() -> None:
     assert not is_subset({"spec": {"enabled": True}}, {"spec": {"enabled": "True"}})
 
 
-def test_operator_modules_do_not_import_torch() -> None:
-    import subprocess
-    import sys
 
-    code = ("import sys, kvferry.operator.handlers, kvferry.operator.cli, kvferry.operator.emulator; "
-            "print('torch' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.stdout.strip() == "False", done.stderr
+def test_a_pool_scaled_to_zero_is_ready_at_zero_of_zero() -> None:
+    states = [component_state("prefill", deployment(0, 0)), component_state("decode", deployment(1, 1))]
+    status = build_status(states, [], "u", 1, None, NOW)
+    assert status["pools"]["prefill"] == {"replicas": 0, "readyReplicas": 0, "summary": "0/0"}
+    assert conditions(status)["Ready"] == ("True", "AllReplicasReady")
+    assert conditions(status)["Progressing"] == ("False", "Stable")

@@ -24,12 +24,14 @@ def make_request(
 
 
 def schedule_prompt(manager: KVCacheManager, request: Request) -> list[int]:
-    """Admits a request as the scheduler does: hits first, then the rest of the prompt."""
+    """Admits a request as the scheduler does (hits first, then the rest of the prompt)
+    and indexes its full blocks as the scheduler does once the step has run."""
     hits, num_hit_tokens = manager.get_computed_blocks(request)
     new = manager.allocate_slots(request, request.num_tokens - num_hit_tokens, hits, num_hit_tokens)
     assert new is not None
     manager.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
     request.num_computed_tokens = request.num_tokens
+    manager.cache_full_blocks(request, request.num_computed_tokens)
     return manager.get_block_ids(request.request_id)
 
 
@@ -83,11 +85,16 @@ def test_allocate_slots_failure_keeps_a_running_requests_blocks() -> None:
     assert manager.num_free_blocks == 0
 
 
-def test_full_blocks_are_cached_at_allocation() -> None:
+def test_allocation_indexes_nothing_until_the_blocks_are_computed() -> None:
     manager = make_manager()
     request = make_request("a", 10)
     manager.allocate_slots(request, 10)
     pool = manager.block_pool
+    assert [b.block_hash for b in pool.blocks[1:4]] == [None, None, None]
+    assert pool.cached_blocks == {}
+    assert manager.get_computed_blocks(make_request("b", 10)) == ([], 0)
+    request.num_computed_tokens = 10
+    manager.cache_full_blocks(request, 10)
     assert [b.block_hash for b in pool.blocks[1:3]] == request.block_hashes
     assert len(request.block_hashes) == 2
     assert pool.blocks[3].block_hash is None  # the partial third block
@@ -98,10 +105,13 @@ def test_chunked_prompt_caches_blocks_as_they_fill() -> None:
     manager = make_manager()
     request = make_request("a", 12)
     manager.allocate_slots(request, 6)
+    request.num_computed_tokens = 6
+    manager.cache_full_blocks(request, 6)
     assert manager.num_cached_blocks["a"] == 1
     assert manager.block_pool.blocks[2].block_hash is None
-    request.num_computed_tokens = 6
     manager.allocate_slots(request, 6)
+    request.num_computed_tokens = 12
+    manager.cache_full_blocks(request, 12)
     assert manager.num_cached_blocks["a"] == 3
     assert [manager.block_pool.blocks[i].block_hash for i in (1, 2, 3)] == request.block_hashes
 
@@ -111,6 +121,7 @@ def test_prefix_hit_of_a_block_aligned_prompt_leaves_the_last_block_to_recompute
     manager = KVCacheManager(num_blocks=10, block_size=16, enable_caching=True)
     first = make_request("a", 32)
     assert manager.allocate_slots(first, 32) is not None
+    manager.cache_full_blocks(first, 32)
     second = make_request("b", 32)
     hits, num_hit_tokens = manager.get_computed_blocks(second)
     assert [b.block_id for b in hits] == [1]

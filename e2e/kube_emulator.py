@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -19,20 +20,24 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import kmock
 import kopf
 import yaml
 
 from kvferry.operator import API_VERSION, KIND
-from kvferry.operator.kube import RESOURCES, KubeClient
+from kvferry.operator.kube import APPLY_CONTENT_TYPE, RESOURCES, KubeClient
 
 ALL_VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
+TEST_USER_AGENT = "kvferry-tests"
+"""User-Agent of the tests' own client, so the operator's requests can be told apart."""
 
 
 class Emulator(kmock.KubernetesEmulator):
-    """`kmock.KubernetesEmulator` whose cost per request does not grow with the cluster.
+    """`kmock.KubernetesEmulator`, closer to a real API server and with a cost per request
+    that does not grow with the cluster.
 
-    Three differences from kmock's own behaviour, all towards a real API server:
+    Differences from kmock's own behaviour, all towards a real API server:
 
     - Request log: kmock matches each new request against its reactions by scanning every
       request served so far. This keeps only the current request in kmock's own list and
@@ -45,6 +50,13 @@ class Emulator(kmock.KubernetesEmulator):
       server does. kopf relies on it to tell a stale watch event (one sent before its own
       last patch) from a current one; without it, kopf reprocesses each object once more
       after the operator's own status write.
+    - `metadata.uid` is set on create when the body has none.
+    - A server-side apply (`application/apply-patch+yaml`) of an object that does not exist
+      creates it. (An apply to an existing object is still kmock's plain merge: a field the
+      applier leaves out is not removed, as server-side apply would remove it. Tests of that
+      look at the request bodies.)
+    - A list honours `labelSelector` (equality terms), and a delete honours
+      `preconditions.uid` (409 when the name now belongs to another object).
     """
 
     @property
@@ -57,9 +69,43 @@ class Emulator(kmock.KubernetesEmulator):
     async def _handle(self, request: kmock.Request) -> Any:
         self.served.append(request)
         del self._requests[:-1]
+        if self._is_apply_of_missing(request):
+            # kmock's reactions only see requests from its own log: log the changed one.
+            request = self._requests[-1] = attrs.evolve(request, action=kmock.action.CREATE)
+        if request.action == kmock.action.CREATE and isinstance(request.data, dict):
+            request.data.setdefault("metadata", {}).setdefault("uid", str(uuid.uuid4()))
         if request.action in (kmock.action.CREATE, kmock.action.UPDATE) and isinstance(request.data, dict):
             self._stamp_resource_version(request.data)
+        if request.action == kmock.action.DELETE:
+            self._check_preconditions(request)
         return await super()._handle(request)
+
+    def _is_apply_of_missing(self, request: kmock.Request) -> bool:
+        if request.action != kmock.action.UPDATE or request.subresource:
+            return False
+        if not request.headers.get("Content-Type", "").startswith(APPLY_CONTENT_TYPE):
+            return False
+        key = (request.resource, request.namespace, request.name)
+        return key not in self.objects or self.objects[key].deleted
+
+    def _check_preconditions(self, request: kmock.Request) -> None:
+        options = request.data if isinstance(request.data, dict) else {}
+        wanted = options.get("preconditions") or {}
+        key = (request.resource, request.namespace, request.name)
+        if "uid" not in wanted or key not in self.objects or self.objects[key].deleted:
+            return
+        actual = (self.objects[key].get("metadata") or {}).get("uid")
+        if actual != wanted["uid"]:
+            raise kmock.KubernetesError(
+                status=409, reason="Conflict",
+                message=f"Precondition failed: UID in precondition: {wanted['uid']}, UID in object meta: {actual}")
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        listing = await super()._serve_list(request)
+        terms = [t.split("=", 1) for t in request.params.get("labelSelector", "").split(",") if t]
+        items = [item for item in listing["items"]
+                 if all((item.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in terms)]
+        return {**listing, "items": items}
 
     def _stamp_resource_version(self, data: dict[str, Any]) -> None:
         # A write's body is what kmock stores (create) or merges (patch), so the stamp
@@ -121,7 +167,7 @@ async def emulated_cluster() -> AsyncIterator[tuple[Emulator, KubeClient]]:
     """An emulator serving on 127.0.0.1 and a client logged in to it."""
     async with Emulator() as k, kmock.Server(k):
         register_resources(k)
-        client = KubeClient(kopf.ConnectionInfo(server=str(k.url), insecure=True))
+        client = KubeClient(kopf.ConnectionInfo(server=str(k.url), insecure=True), user_agent=TEST_USER_AGENT)
         try:
             yield k, client
         finally:
@@ -194,3 +240,42 @@ async def wait_for(check: Callable[[], Any], timeout: float, what: str, interval
         if time.monotonic() > deadline:
             raise TimeoutError(f"gave up after {timeout}s waiting for {what}")
         await asyncio.sleep(interval)
+
+
+WRITE_METHODS = ("POST", "PATCH", "PUT", "DELETE")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sent:
+    """One request the operator sent, as the emulator received it."""
+
+    method: str
+    path: str
+    params: dict[str, str]
+    content_type: str
+    body: Any
+    user_agent: str = ""  # kopf's, or the operator's own client's
+
+
+def operator_requests(k: Emulator, since: int = 0) -> list[Sent]:
+    """The requests after number `since` that did not come from the tests' own client."""
+    return [
+        Sent(str(r.method.value).upper(), r.url.path, dict(r.params), r.headers.get("Content-Type", ""), r.data,
+             r.headers.get("User-Agent", ""))
+        for r in k.served[since:] if r.headers.get("User-Agent") != TEST_USER_AGENT
+    ]
+
+
+def operator_writes(k: Emulator, since: int = 0, events: bool = False) -> list[Sent]:
+    """The operator's writes after request number `since` (Kubernetes Events left out unless asked)."""
+    return [s for s in operator_requests(k, since)
+            if s.method in WRITE_METHODS and (events or not s.path.endswith("/events"))]
+
+
+def stored(k: Emulator, kind: str, name: str, namespace: str = "default") -> dict[str, Any] | None:
+    """The object as the emulator holds it now (None when missing or deleted)."""
+    api_version, plural = RESOURCES[kind]
+    key = (kmock.resource(f"{api_version}/{plural}"), namespace, name)
+    if key not in k.objects or k.objects[key].deleted:
+        return None
+    return dict(k.objects[key].raw)
