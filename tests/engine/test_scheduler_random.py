@@ -293,6 +293,8 @@ def writes_of_step(scheduler: Scheduler, output: SchedulerOutput) -> list[tuple]
 
 
 def check_index_holds_computed_kv(scheduler: Scheduler, computed: ComputedBlocks) -> None:
+    # The workloads of STALE_BLOCK_SEEDS fail here when a block is indexed as it is
+    # allocated, before its step has run (issue 8, defect 1); see the test at the end.
     pool = scheduler.kv_cache_manager.block_pool
     for block_hash, block in pool.cached_blocks.items():
         assert block.block_hash == block_hash, block
@@ -369,3 +371,17 @@ def test_random_workloads_keep_the_invariants_and_finish(
     # The pools are tight enough that preemption is exercised in every configuration.
     assert total_preemptions > 0
 
+
+# Tiny-pool workloads (priority, prefix caching, chunked prefill) in which a request that
+# a step schedules to fill a block is preempted in that same step, so the step never
+# computes the block's last tokens. Indexing blocks as they were allocated left such a
+# block in the prefix-cache index, where a later request with the same prefix would find
+# KV never written (issue 8, defect 1). Seed 491 (block size 2, 14 blocks, budget 12): in
+# the fifth step g1.0 (priority 2) is scheduled for its 8th token, which fills block 10;
+# g2.0 cannot grow, preempts g1.0 and then itself, and block 10 was left free and indexed.
+STALE_BLOCK_SEEDS = (491, 645)
+
+
+def test_a_request_preempted_in_the_step_that_fills_a_block_leaves_it_unindexed() -> None:
+    for seed in STALE_BLOCK_SEEDS:
+        run_workload(Workload("priority", True, True, "tiny", seed))
