@@ -28,8 +28,12 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 # -ffast-math lets the compiler vectorize expf through glibc's vector math library and
-# reassociate the dot products; every value the kernel handles is finite.
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+# reassociate the dot products; every value the kernel handles is finite. It is given to the
+# compile step only: at link time it makes the compiler add crtfastmath.o, whose constructor
+# turns on flush-to-zero and denormals-are-zero for the thread that loads the library, which
+# would change floating point for the whole Python process (`1e-310 * 1.0 == 0.0`).
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11", "-c")
+LINK_FLAGS = ("-shared", "-fopenmp")
 ENV_SWITCH = "KVFERRY_CPU_KERNELS"
 
 _i64, _i32, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -56,20 +60,32 @@ def _cpu_flags() -> str:
         return ""
 
 
+def build_key(compiler_version: str) -> str:
+    """Names a build by everything that shapes it; a new recipe never loads an old build."""
+    recipe = (
+        SOURCE.read_text(),
+        " ".join(COMPILE_FLAGS),
+        " ".join(LINK_FLAGS),
+        compiler_version,
+        _cpu_flags(),
+    )
+    return hashlib.sha256("\0".join(recipe).encode()).hexdigest()[:16]
+
+
 def _build(compiler: str, target: Path) -> None:
-    """Compiles the source to `target` atomically (a concurrent build cannot tear it)."""
+    """Compiles the source to `target` atomically (a concurrent build cannot tear it).
+
+    Two commands, so that the fast-math flags reach the compiler and not the linker.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"],
-            check=True, capture_output=True, text=True,
-        )
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp_dir:
+        obj, lib = Path(tmp_dir) / "paged_decode.o", Path(tmp_dir) / "paged_decode.so"
+        for command in (
+            [compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(obj)],
+            [compiler, *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"],
+        ):
+            subprocess.run(command, check=True, capture_output=True, text=True)
+        os.replace(lib, target)
 
 
 class PagedDecodeKernel:
@@ -128,10 +144,7 @@ def paged_decode_kernel() -> PagedDecodeKernel | None:
         version = subprocess.run(
             [compiler, "--version"], check=True, capture_output=True, text=True
         ).stdout
-        key = hashlib.sha256(
-            "\0".join((SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_flags())).encode()
-        ).hexdigest()[:16]
-        target = cache_dir() / f"paged_decode-{key}.so"
+        target = cache_dir() / f"paged_decode-{build_key(version)}.so"
         if not target.exists():
             _build(compiler, target)
             logger.info("built the CPU paged decode kernel: %s", target)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,8 @@ def _assert_all_blocks_free(engine: LLMEngine) -> None:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 # Ids 0-2 are the test tokenizer's special tokens (dropped from text); the rest decode to "w<id>".
 NUM_SPECIAL = 3
+# The test checkpoints' EOS (the tokenizer's "</s>").
+EOS_ID = 2
 
 
 def _text(tokens: list[int]) -> str:
@@ -159,14 +162,37 @@ def test_stop_token_ids_and_eos(llm) -> None:
     assert out.text == _text(tokens[:first])
 
 
-def test_min_tokens_blocks_stop_tokens(llm) -> None:
-    prompt = [5, 6, 7, 8]
-    tokens = _greedy_tokens(llm, prompt, 8)
-    params = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[tokens[0]],
-                            min_tokens=3)
+def _hf_greedy(
+    hf: torch.nn.Module, prompt: list[int], n: int, blocked: list[int], num_blocked: int
+) -> list[int]:
+    """HF's greedy continuation of `n` tokens; `blocked` ids may not be the first `num_blocked`."""
+    sequence: list[int] = list(prompt)
+    for i in range(n):
+        with torch.no_grad():
+            logits = hf(torch.tensor([sequence])).logits[0, -1]  # (vocab_size,)
+        if i < num_blocked:
+            logits[blocked] = -math.inf
+        sequence.append(int(logits.argmax()))
+    return sequence[len(prompt):]
+
+
+def test_min_tokens_blocks_stop_tokens_then_stops_at_the_first(
+    llm, checkpoint, hf_model
+) -> None:
+    prompt, min_tokens = [5, 6, 7, 8], 3
+    hf = hf_model(checkpoint)
+    # The token greedy decoding picks first: as a stop token it would end the request at once.
+    stop = _hf_greedy(hf, prompt, 1, [], 0)[0]
+    expected = _hf_greedy(hf, prompt, 12, [stop, EOS_ID], min_tokens)
+    # Once allowed, the stop token comes back (before any EOS) and ends the request there.
+    first_stop = expected.index(stop, min_tokens)
+    assert EOS_ID not in expected[:first_stop]
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop],
+                            min_tokens=min_tokens)
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) >= 3
-    assert tokens[0] not in out.token_ids[:3]
+    assert out.token_ids == expected[: first_stop + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    _assert_all_blocks_free(_engine(llm))
 
 
 def test_stop_string_is_cut_from_text(llm) -> None:
@@ -280,18 +306,37 @@ def test_statistics(llm) -> None:
 
 def test_step_statistics_record_latencies(llm) -> None:
     engine = _engine(llm)
-    engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, GREEDY)
-    engine.step()
+    # Arrived 5 s ago: time to first token counts from arrival, not from scheduling.
+    arrival = time.monotonic() - 5.0
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, GREEDY, arrival_time=arrival)
+    [out] = engine.step()
+    first_token_time = out.metrics.first_token_time
+    assert out.metrics.arrival_time == arrival
+    assert arrival + 5.0 <= first_token_time <= time.monotonic()
+    assert out.metrics.last_token_time == first_token_time
+    assert out.metrics.finished_time is None
     first = engine.stats.last_iteration
     assert first.num_prompt_tokens == 3 and first.num_generation_tokens == 1
-    assert len(first.time_to_first_tokens) == 1 and first.time_to_first_tokens[0] > 0
+    assert first.time_to_first_tokens == [first_token_time - arrival]
+    assert first.inter_token_latencies == [] and first.e2e_latencies == []
     assert engine.stats.scheduler.num_running_reqs == 1
     assert engine.stats.scheduler.kv_cache_usage == pytest.approx(1 / 63)
-    engine.step()
+
+    [out] = engine.step()
+    second_token_time = out.metrics.last_token_time
+    assert out.metrics.first_token_time == first_token_time <= second_token_time
     second = engine.stats.last_iteration
-    assert second.num_prompt_tokens == 0 and len(second.inter_token_latencies) == 1
-    _run(engine)
-    assert engine.stats.last_iteration.e2e_latencies and engine.stats.num_finished_requests == 1
+    assert second.num_prompt_tokens == 0 and second.time_to_first_tokens == []
+    assert second.inter_token_latencies == [second_token_time - first_token_time]
+
+    metrics = _run(engine)["a"].metrics
+    assert metrics.first_token_time == first_token_time
+    assert second_token_time <= metrics.last_token_time <= metrics.finished_time
+    last = engine.stats.last_iteration
+    assert last.e2e_latencies == [metrics.finished_time - arrival]
+    assert last.finish_reasons == ["length"]
+    assert first.time_to_first_tokens[0] <= last.e2e_latencies[0]
+    assert engine.stats.num_finished_requests == 1
 
 
 def test_duplicate_request_id_is_rejected(llm) -> None:

@@ -4,6 +4,8 @@ Every scenario drives a real KVCacheManager with block size 4 and no model: the 
 the runner, sampling fixed token ids for the requests whose prompt is done.
 """
 
+import pytest
+
 from kvferry.engine.config import SchedulerConfig
 from kvferry.engine.kv_cache import KVCacheManager
 from kvferry.engine.messages import EngineCoreOutput, FinishReason
@@ -412,8 +414,11 @@ def test_a_running_request_that_cannot_grow_preempts_itself() -> None:
     assert_all_blocks_free(scheduler)
 
 
-def test_priority_preemption_picks_the_lowest_priority_even_if_already_scheduled() -> None:
-    scheduler = make_scheduler(num_blocks=6, policy="priority")
+@pytest.mark.parametrize("enable_caching", [False, True])
+def test_priority_preemption_picks_the_lowest_priority_even_if_already_scheduled(
+    enable_caching: bool,
+) -> None:
+    scheduler = make_scheduler(num_blocks=6, policy="priority", enable_caching=enable_caching)
     low = make_request("low", 4, start=100, priority=5, arrival_time=0.0, max_tokens=4)
     scheduler.add_request(low)
     out = scheduler.schedule()
@@ -421,7 +426,7 @@ def test_priority_preemption_picks_the_lowest_priority_even_if_already_scheduled
     sample(scheduler, out, {"low": 10})
 
     high = make_request("high", 8, start=200, priority=0, arrival_time=1.0, max_tokens=4)
-    mid = make_request("mid", 3, start=300, priority=1, arrival_time=2.0, max_tokens=4)
+    mid = make_request("mid", 3, start=300, priority=1, arrival_time=2.0, max_tokens=2)
     scheduler.add_request(mid)
     scheduler.add_request(high)
     out = scheduler.schedule()
@@ -442,10 +447,22 @@ def test_priority_preemption_picks_the_lowest_priority_even_if_already_scheduled
     assert scheduler.kv_cache_manager.get_block_ids("low") == []
     assert scheduler.kv_cache_manager.block_pool.free_queue.block_ids() == [1]
     assert (high.num_computed_tokens, mid.num_computed_tokens) == (9, 4)
+    sample(scheduler, out, {"high": 21, "mid": 31})
+    assert mid.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+    # low comes back with its outputs. Its first block (the prompt, computed in step 1) is
+    # still free and, with caching on, still indexed: only the last 2 tokens are computed.
+    out = scheduler.schedule()
+    assert out.finished_req_ids == {"mid"}
+    num_hit = 4 if enable_caching else 0
+    assert new_reqs(out) == [("low", prompt(4, 100) + [10, 11], [1, 5], num_hit)]
+    assert out.num_scheduled_tokens == {"high": 1, "low": 6 - num_hit}
+    sample(scheduler, out, {"high": 22, "low": 12})
 
     drain(scheduler)
-    assert low.output_token_ids[:2] == [10, 11]
+    assert low.output_token_ids == [10, 11, 12, FILLER]
     assert low.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert high.output_token_ids == [20, 21, 22, FILLER]
     assert_all_blocks_free(scheduler)
 
 

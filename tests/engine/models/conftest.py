@@ -108,7 +108,7 @@ def paged_run() -> Callable[..., PagedRun]:
 
 @pytest.fixture(scope="session")
 def hf_logits(
-    hf_model: Callable[[Path], torch.nn.Module],
+    hf_model: Callable[..., torch.nn.Module],
 ) -> Callable[[Path, list[int]], torch.Tensor]:
     """HF logits (seq_len, vocab_size) float32 of one token sequence of a checkpoint."""
     models: dict[Path, torch.nn.Module] = {}
