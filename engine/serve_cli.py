@@ -44,8 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the tokenizer's")
     server.add_argument("--max-num-waiting", type=int, default=None, metavar="N",
                         help="answer 429 while N or more requests wait for the engine")
-    server.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
-                        metavar="S", help="on SIGTERM, seconds to let in-flight requests finish")
+    # A string default goes through `type`, so a bad $KVFERRY_DRAIN_SECONDS is a usage error.
+    server.add_argument("--drain-timeout", type=float,
+                        default=os.environ.get("KVFERRY_DRAIN_SECONDS") or str(DEFAULT_DRAIN_TIMEOUT_S),
+                        metavar="S", help="on SIGTERM, seconds to let in-flight requests finish "
+                                          "(default $KVFERRY_DRAIN_SECONDS or 30)")
     server.add_argument("--log-prompts", action="store_true",
                         help="put prompt text in the request log lines")
     server.add_argument("--uvicorn-log-level", default="warning",

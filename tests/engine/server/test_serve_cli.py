@@ -31,8 +31,13 @@ def engine_containers(manifest: dict[str, Any]) -> list[tuple[dict[str, Any], di
             continue
         for container in child.manifest["spec"]["template"]["spec"]["containers"]:
             if container["name"] == "engine":
-                (ref,) = container["envFrom"]
-                out.append((container, config_maps[ref["configMapRef"]["name"]]))
+                # The operator's own ConfigMap, beside any envFrom the spec passes through.
+                (data,) = [
+                    config_maps[ref["configMapRef"]["name"]]
+                    for ref in container["envFrom"]
+                    if ref.get("configMapRef", {}).get("name") in config_maps
+                ]
+                out.append((container, data))
     return out
 
 
