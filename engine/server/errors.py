@@ -19,6 +19,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
+# The per-request log lines (one per request, served or refused).
+request_logger = logging.getLogger("kvferry.engine.server.requests")
 
 # HTTP status -> OpenAI error `type`.
 ERROR_TYPES: dict[int, str] = {
@@ -44,6 +46,8 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.code = code
+        # Whether the request's log line was written already (it failed mid-generation).
+        self.is_logged = False
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
@@ -109,14 +113,24 @@ def _dotted(loc: list[str]) -> str:
     return out
 
 
+def log_refusal(request: Request, status: int, message: str) -> None:
+    """The one log line of a request refused before it reached the engine."""
+    request_id = getattr(request.state, "request_id", None)
+    request_logger.info("request_id=%s path=%s status=%d error=%r", request_id,
+                        request.url.path, status, message)
+
+
 async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
+    if not exc.is_logged:
+        log_refusal(request, exc.status, exc.message)
     return error_response(exc.status, exc.message, exc.param, exc.code)
 
 
 async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     message, param = validation_message(exc.errors())
+    log_refusal(request, 400, message)
     return error_response(400, message, param)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -16,10 +15,10 @@ from kvferry.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from kvferry.engine.input_processor import ProcessedPrompt, PromptType
 from kvferry.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvferry.engine.sampling_params import SamplingParams
-from kvferry.engine.server.errors import ApiError, bad_request, unavailable
+from kvferry.engine.server.errors import ApiError, bad_request, request_logger, unavailable
 from kvferry.engine.server.protocol import param_of_message
 
-logger = logging.getLogger("kvferry.engine.server.requests")
+logger = request_logger
 
 
 def check_model(requested: str | None, served_name: str) -> None:
@@ -133,12 +132,16 @@ async def _merge(
 def engine_error(exc: BaseException) -> ApiError:
     """The HTTP error of an engine failure."""
     if isinstance(exc, QueueFullError):
-        return ApiError(429, str(exc), code="queue_full")
-    if isinstance(exc, EngineDeadError):
-        return unavailable(f"the engine is not available: {exc}")
-    if isinstance(exc, ValueError):
-        return bad_request(str(exc), param=param_of_message(str(exc)))
-    return ApiError(500, f"internal error: {type(exc).__name__}")
+        error = ApiError(429, str(exc), code="queue_full")
+    elif isinstance(exc, EngineDeadError):
+        error = unavailable(f"the engine is not available: {exc}")
+    elif isinstance(exc, ValueError):
+        error = bad_request(str(exc), param=param_of_message(str(exc)))
+    else:
+        error = ApiError(500, f"internal error: {type(exc).__name__}")
+    # Raised from a generation whose own log line says what happened.
+    error.is_logged = True
+    return error
 
 
 @contextlib.asynccontextmanager

@@ -7,6 +7,7 @@ shared server (with an API key) for the tests that leave it serving.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -26,18 +27,19 @@ def tiny_model(make_checkpoint: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="session")
 def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ServerProcess]]:
-    """start(model, *flags, api_key=None, wait=True) -> a running ServerProcess."""
+    """start(model, *flags, api_key=None, wait=True, env=None) -> a running ServerProcess."""
     started: list[ServerProcess] = []
 
     def start(model: str | Path, *flags: str, api_key: str | None = None,
-              wait: bool = True) -> ServerProcess:
+              wait: bool = True, env: dict[str, str] | None = None) -> ServerProcess:
         port = free_port()
         log_path = tmp_path_factory.mktemp("serve") / "serve.log"
         key_flags = ("--api-key", api_key) if api_key else ()
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(serve_command(str(model), port, *key_flags, *flags),
                                     stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    env={**os.environ, **(env or {})})
         server = ServerProcess(proc, port, log_path, api_key)
         started.append(server)
         if wait:

@@ -141,6 +141,8 @@ def test_request_id_is_honoured_or_made(http: httpx.Client, live_server: ServerP
     assert "prompt_tokens=1" in line and "output_tokens=2" in line
     assert "finish_reason=length" in line and "latency_s=" in line
     assert "w5" not in line  # no prompt text unless asked
+    (refused,) = [x for x in log.splitlines() if "request_id=trace-bad-1" in x]
+    assert "status=400" in refused and "max_tokens must be >= 1" in refused
 
 
 def test_tokenize_and_detokenize(http: httpx.Client) -> None:
@@ -165,9 +167,15 @@ def test_version_and_models(http: httpx.Client) -> None:
 
 # ---- schema fuzzing ----------------------------------------------------------------------
 
+def _floats(*args: float, **kwargs: bool) -> st.SearchStrategy[float]:
+    """Floats without subnormals: other tests may load code built with flush-to-zero, which
+    this process then runs with, and hypothesis refuses subnormals there."""
+    return st.floats(*args, allow_subnormal=False, **kwargs)
+
+
 # Any JSON value: what a hostile or buggy client may send for a field.
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    st.none() | st.booleans() | st.integers() | _floats(allow_nan=False) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
                                                                  max_size=3),
     max_leaves=6,
@@ -176,17 +184,17 @@ JSON_VALUES = st.recursive(
 VALID_SAMPLING = {
     "model": st.just("tiny"),
     "n": st.integers(1, 3),
-    "temperature": st.floats(0, 2),
-    "top_p": st.floats(0.01, 1),
+    "temperature": _floats(0, 2),
+    "top_p": _floats(0.01, 1),
     "top_k": st.integers(-1, 50),
-    "min_p": st.floats(0, 1),
+    "min_p": _floats(0, 1),
     "seed": st.integers(0, 2**63 - 1),
     "stop": st.text(min_size=1, max_size=4) | st.lists(st.text(min_size=1, max_size=4),
                                                         max_size=3),
     "stop_token_ids": st.lists(st.integers(0, 255), max_size=3),
-    "presence_penalty": st.floats(-2, 2),
-    "frequency_penalty": st.floats(-2, 2),
-    "repetition_penalty": st.floats(0.5, 2),
+    "presence_penalty": _floats(-2, 2),
+    "frequency_penalty": _floats(-2, 2),
+    "repetition_penalty": _floats(0.5, 2),
     "ignore_eos": st.booleans(),
     "min_tokens": st.integers(0, 2),
     "stream": st.booleans(),
@@ -210,7 +218,7 @@ VALID_CHAT = st.fixed_dictionaries({"messages": VALID_MESSAGES}, optional={
 COMPLETION_FIELDS = [*VALID_SAMPLING, "prompt", "logprobs", "echo", "add_special_tokens"]
 CHAT_FIELDS = [*VALID_SAMPLING, "messages", "logprobs", "top_logprobs", "max_completion_tokens",
                "add_generation_prompt", "chat_template_kwargs"]
-ANY_VALUE = JSON_VALUES | st.integers() | st.floats(allow_nan=False)
+ANY_VALUE = JSON_VALUES | st.integers() | _floats(allow_nan=False)
 
 
 def _perturbed(valid: st.SearchStrategy, fields: list[str]) -> st.SearchStrategy:
