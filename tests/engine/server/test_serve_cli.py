@@ -127,3 +127,19 @@ def test_api_key_sources(tmp_path: Path) -> None:
     assert read_api_key(parse_serve(base), {}) is None
     with pytest.raises(SystemExit):  # one source at a time
         parse_serve([*base, "--api-key", "a", "--api-key-file", str(key_file)])
+
+
+def test_the_drain_timeout_comes_from_the_services_config_map(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    manifest = load_example(EXAMPLES[0])
+    manifest.setdefault("spec", {}).setdefault("engine", {})["drainSeconds"] = 45
+    container, config_map = engine_containers(manifest)[0]
+    assert config_map["KVFERRY_DRAIN_SECONDS"] == "45"
+    for name, value in pod_env(container, config_map).items():
+        monkeypatch.setenv(name, value)
+    assert parse_serve(container["args"]).drain_timeout == 45.0
+    monkeypatch.setenv("KVFERRY_DRAIN_SECONDS", "soon")
+    with pytest.raises(SystemExit):
+        parse_serve(container["args"])
+    assert "invalid float value: 'soon'" in capsys.readouterr().err
