@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvferry.kvtransfer.config import KVTransferConfig
+
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 
@@ -118,3 +120,5 @@ class EngineConfig:
     attention_backend: str = "torch"
     # "cpu", "cuda", or "auto" (cuda when available).
     device: str = "auto"
+    # KV transfer between engines (prefill/decode disaggregation); None: colocated only.
+    kv_transfer: KVTransferConfig | None = None

@@ -54,6 +54,7 @@ from kvferry.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
+    SchedulerStats,
     ShutdownCore,
 )
 from kvferry.engine.request import RequestStatus
@@ -66,6 +67,10 @@ logger = logging.getLogger(__name__)
 # How often an idle core wakes to check that the front end still exists (and how often a
 # busy one checks between steps).
 PARENT_CHECK_INTERVAL_S = 1.0
+# Milliseconds between steps while only KV transfers are in progress: the transfer thread
+# polls NIXL every millisecond on its own, so this only bounds how late the scheduler
+# learns of a finished pull or a freed hold.
+TRANSFER_POLL_MS = 2
 # How long the core's last messages may wait to be delivered when it exits.
 _OUTPUT_LINGER_MS = 2000
 
@@ -111,6 +116,8 @@ class EngineCoreProc:
         # Outputs made outside a step (a request the core refused), sent with the next one.
         self.pending_outputs: list[EngineCoreOutput] = []
         self.is_shutdown_requested = False
+        # The stats last sent, so idle transfer steps send only what changed.
+        self._last_stats: SchedulerStats | None = None
         self._next_parent_check = time.monotonic() + PARENT_CHECK_INTERVAL_S
 
     def run(self) -> None:
@@ -139,9 +146,20 @@ class EngineCoreProc:
         return False
 
     def _run_busy(self) -> None:
-        """One step of the requests in the core. A pipeline-parallel executor would keep
-        several steps in flight here, a KV connector collect finished transfers."""
-        self._send_outputs(self.engine_core.step())
+        """One step of the requests in the core (it also collects finished KV transfers).
+
+        While the only work is transfers (pulls in flight, blocks held under a lease), the
+        loop waits for input between steps instead of spinning a core, and sends a step's
+        outputs only when they changed what the front end knows.
+        """
+        core = self.engine_core
+        if core.has_requests_to_compute():
+            self._send_outputs(core.step())
+            return
+        self.input_socket.poll(TRANSFER_POLL_MS, zmq.POLLIN)
+        outputs = core.step()
+        if outputs.outputs or outputs.scheduler_stats != self._last_stats:
+            self._send_outputs(outputs)
 
     def _drain_inputs(self) -> int:
         """Handles every message already waiting, without blocking; returns how many."""
@@ -180,6 +198,7 @@ class EngineCoreProc:
         if self.pending_outputs:
             outputs.outputs = self.pending_outputs + outputs.outputs
             self.pending_outputs = []
+        self._last_stats = outputs.scheduler_stats
         message = CoreStepOutputs(outputs, self.num_requests_received)
         self.output_socket.send(self.encoder.encode(message), copy=False)
 
@@ -237,8 +256,11 @@ def _serve(
     from kvferry.engine.engine_core import EngineCore
 
     engine_core = EngineCore(config)
-    _send(output_socket, encoder, CoreReady(engine_core.info))
-    EngineCoreProc(engine_core, input_socket, output_socket, parent_pid).run()
+    try:
+        _send(output_socket, encoder, CoreReady(engine_core.info))
+        EngineCoreProc(engine_core, input_socket, output_socket, parent_pid).run()
+    finally:
+        engine_core.shutdown()
     logger.info("engine core shut down")
 
 

@@ -23,7 +23,10 @@ from kvferry.engine.messages import (
     EngineCoreRequest,
     EngineLimits,
     FinishReason,
+    SchedulerStats,
 )
+from kvferry.engine.kv_connector import KVConnector
+from kvferry.kvtransfer.params import KVTransferParams
 from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.models.loader import resolve_dtype
 from kvferry.engine.models.source import resolve_model_source
@@ -55,11 +58,19 @@ class EngineCore:
             max_num_reqs=sched_cfg.max_num_seqs, max_model_len=self.max_model_len,
             max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
             attention_backend=config.attention_backend,
+            transfer_memory=config.kv_transfer is not None,
         )
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching
         )
-        self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager)
+        self.kv_connector = (
+            None if config.kv_transfer is None
+            else KVConnector.start(config.kv_transfer, self.runner.kv_cache, cache_cfg.block_size)
+        )
+        self.scheduler = Scheduler(
+            sched_cfg, self.kv_cache_manager,
+            None if self.kv_connector is None else self.kv_connector.scheduler,
+        )
         self.info = EngineCoreInfo(
             model_dir=str(self.model_dir),
             architecture=self.arch.architecture,
@@ -86,6 +97,7 @@ class EngineCore:
             raise ValueError(f"request id {request.req_id!r} is already in use")
         self.info.limits.check_prompt(request.prompt_token_ids)
         self.info.limits.check_params(request.sampling_params)
+        transfer = KVTransferParams.from_dict(request.kv_transfer_params)
         self.scheduler.add_request(Request(
             request_id=request.req_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -94,6 +106,7 @@ class EngineCore:
             priority=request.priority,
             arrival_time=request.arrival_time,
             cache_salt=request.cache_salt,
+            kv_transfer_params=transfer,
         ))
 
     def abort_requests(
@@ -106,18 +119,42 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_requests_to_compute(self) -> bool:
+        """False while the only work is transfers (pulls in flight, blocks held for one)."""
+        return self.scheduler.has_requests_to_compute()
+
     # ------------------------------------------------------------------ step
     def step(self) -> EngineCoreOutputs:
         """Schedules, executes and updates one step; returns what it produced."""
+        outputs = self._collect_transfers()
         scheduler_output = self.scheduler.schedule()
+        if self.kv_connector is not None:
+            # Pulls planned by this schedule, cancels of requests finished since the last.
+            self.kv_connector.start_transfers()
         queue_times = self._queue_times(scheduler_output)
         try:
             runner_output = self.runner.execute_model(scheduler_output)
         except Exception:  # noqa: BLE001 - one bad step must not take every request down
-            outputs = self._fail_step(scheduler_output)
+            outputs += self._fail_step(scheduler_output)
         else:
-            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return EngineCoreOutputs(outputs, self.scheduler.make_stats(), queue_times)
+            outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
+        return EngineCoreOutputs(outputs, self.make_stats(), queue_times)
+
+    def _collect_transfers(self) -> list[EngineCoreOutput]:
+        if self.kv_connector is None:
+            return []
+        return self.scheduler.update_from_kv_connector(self.kv_connector.worker.get_finished())
+
+    def make_stats(self) -> SchedulerStats:
+        stats = self.scheduler.make_stats()
+        if self.kv_connector is not None:
+            stats.kv_transfer = self.kv_connector.metrics.snapshot()
+        return stats
+
+    def shutdown(self) -> None:
+        """Stops the KV connector's threads and side channel (nothing else holds any)."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     def _queue_times(self, scheduler_output: SchedulerOutput) -> dict[str, float]:
         """Seconds each sequence first scheduled this step waited since its arrival.

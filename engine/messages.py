@@ -13,10 +13,12 @@ so the same objects go over ZMQ without a hand-written encoding.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
 from kvferry.engine.sampling_params import SamplingParams
+from kvferry.kvtransfer.metrics import KVTransferStats
 
 
 class FinishReason(enum.IntEnum):
@@ -48,6 +50,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     # Extra prefix-cache key material (a hash of prompt embeddings or of an encoder input).
     cache_salt: bytes | None = None
+    # The client's `kv_transfer_params` (vLLM's shape), validated by the front end.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # One sampled position: [(token_id, logprob, rank), ...], the sampled token first, then the
@@ -67,6 +71,11 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | None = None
     # Prompt tokens served from the prefix cache; set on the sequence's first output.
     num_cached_tokens: int = -1
+    # On a producer, the last output of a prefill held for a remote decode: the params
+    # the decode hop must carry (vLLM's shape).
+    kv_transfer_params: dict[str, Any] | None = None
+    # Why the request failed (finish_reason ERROR), for the client.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -83,6 +92,10 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # The transfer layer's counters; None when the engine has no KV connector.
+    kv_transfer: KVTransferStats | None = None
+    # Requests whose pull failed and were computed here instead (cumulative).
+    num_kv_transfer_fallbacks: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True):

@@ -8,11 +8,15 @@ from dataclasses import dataclass, field
 
 from kvferry.engine.messages import FinishReason
 from kvferry.engine.sampling_params import SamplingParams
+from kvferry.kvtransfer.params import KVTransferParams
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
+    # Its blocks are allocated and a pull fills them from a remote producer: never
+    # scheduled until the pull succeeds, fails or times out.
+    WAITING_FOR_REMOTE_KV = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this point is finished.
     FINISHED_STOPPED = enum.auto()
@@ -54,6 +58,9 @@ class Request:
     # Extra prefix-cache key material that must match for blocks to be shared
     # (for example a hash of prompt embeddings); None when the tokens say it all.
     cache_salt: bytes | None = None
+    # Remote-KV instructions (pull from a producer, or hold for a remote decode); set to
+    # None once a pull is over, so a preempted request recomputes instead of pulling again.
+    kv_transfer_params: KVTransferParams | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

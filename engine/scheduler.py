@@ -28,7 +28,9 @@ from kvferry.engine.config import SchedulerConfig
 from kvferry.engine.kv_cache import KVCacheBlock, KVCacheManager
 from kvferry.engine.messages import EngineCoreOutput, FinishReason, SchedulerStats
 from kvferry.engine.request import Request, RequestStatus
+from kvferry.engine.remote_kv import RemoteKV
 from kvferry.engine.request_queue import make_request_queue
+from kvferry.kvtransfer.connector import KVConnectorOutput, KVConnectorScheduler
 from kvferry.engine.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -44,9 +46,16 @@ _all_token_ids = attrgetter("all_token_ids")
 class Scheduler:
     """Owns request state transitions and the KV cache manager."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        connector: KVConnectorScheduler | None = None,
+    ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        # Requests whose KV crosses engines; None without a KV connector.
+        self.remote = None if connector is None else RemoteKV(connector, kv_cache_manager)
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
@@ -66,7 +75,15 @@ class Scheduler:
         )
         eos = () if params.ignore_eos else request.eos_token_ids
         request.stop_token_set = frozenset((*eos, *params.stop_token_ids))
+        transfer = request.kv_transfer_params
+        if transfer is not None and self.remote is None:
+            raise ValueError("kv_transfer_params need an engine with KV transfer enabled")
+        if transfer is not None and transfer.do_remote_decode:
+            # A prefill for a remote decode ends at its first token (vLLM's max_tokens 1).
+            request.max_output_tokens = min(request.max_output_tokens, 1)
         self.requests[request.request_id] = request
+        if self.remote is not None:
+            self.remote.add_request(request)
         self.waiting.add(request)
         if request.sampling_params.min_tokens > 0:
             self._min_tokens_pending.add(request.request_id)
@@ -83,6 +100,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                self.remote.remove_waiting(request)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -90,13 +109,20 @@ class Scheduler:
             finished.append(request)
         return finished
 
-    def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _free_request(self, request: Request) -> dict | None:
+        """Frees a finished request's blocks, unless the KV connector keeps them.
+
+        Returns the `kv_transfer_params` for a remote decode (a producer's finished prefill).
+        """
+        params = None if self.remote is None else self.remote.request_finished(request)
+        if self.remote is None or request.request_id not in self.remote.kept:
+            self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._min_tokens_pending.discard(request.request_id)
         # Always reported, wherever the request was: a request preempted and then aborted
         # while waiting has no row but may still have runner state (a seeded generator).
         self.finished_req_ids.add(request.request_id)
+        return None if params is None else params.to_dict()
 
     def fail_step(self, scheduler_output: SchedulerOutput) -> list[Request]:
         """Finishes every request of a step that raised, freeing their blocks.
@@ -110,10 +136,44 @@ class Scheduler:
         )
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        num_remote = 0 if self.remote is None else len(self.remote.waiting_for_remote)
+        return len(self.waiting) + len(self.running) + num_remote
 
     def has_unfinished_requests(self) -> bool:
-        return self.get_num_unfinished_requests() > 0
+        """Whether steps are needed: requests to compute, or transfers to see through."""
+        return self.get_num_unfinished_requests() > 0 or bool(self.remote)
+
+    def has_requests_to_compute(self) -> bool:
+        return bool(self.waiting) or bool(self.running)
+
+    # ------------------------------------------------------------------ transfers
+    def update_from_kv_connector(self, output: KVConnectorOutput) -> list[EngineCoreOutput]:
+        """Applies the KV worker's report; returns the outputs of requests it ended.
+
+        Ready requests go back to the front of the queue with their pulled tokens computed;
+        failed ones recompute (policy `recompute`) or end with an error (`fail`).
+        """
+        assert self.remote is not None
+        outcome = self.remote.update(output)
+        for request in reversed(outcome.ready):
+            self.waiting.prepend(request)
+        outputs = []
+        for request, failure in outcome.failed:
+            # A failed pull's blocks hold garbage and were never indexed: free them.
+            self.kv_cache_manager.free(request)
+            if self.remote.failure_policy == "recompute":
+                self.remote.num_fallbacks += 1
+                request.num_computed_tokens = 0
+                request.status = RequestStatus.WAITING
+                self.waiting.prepend(request)
+                continue
+            request.status = RequestStatus.FINISHED_ERROR
+            self._free_request(request)
+            outputs.append(EngineCoreOutput(
+                request.request_id, [], finish_reason=FinishReason.ERROR,
+                error=f"pulling the prompt's KV failed ({failure.reason}): {failure.message}",
+            ))
+        return outputs
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
@@ -246,9 +306,19 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
-            hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            if self._next_block_in_flight(request, len(hits), budget):
-                break  # it will be a prefix-cache hit next step
+            is_pulled = request.request_id in self.kv_cache_manager.req_to_blocks
+            if is_pulled:
+                # Its pull succeeded: its blocks hold the pulled tokens' KV.
+                hits, num_hit_tokens = [], request.num_computed_tokens
+            else:
+                hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+                if self._next_block_in_flight(request, len(hits), budget):
+                    break  # it will be a prefix-cache hit next step
+                num_external = self._num_external_tokens(request, num_hit_tokens)
+                if num_external:
+                    if not self._park_for_remote_kv(request, hits, num_hit_tokens, num_external):
+                        break
+                    continue
             num_new = request.num_tokens - num_hit_tokens
             # Without chunked prefill a prompt runs in one step (add_request made sure it
             # fits one); a preempted request's recompute may be longer, so it is chunked.
@@ -265,19 +335,49 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.pop()
-            self.kv_cache_manager.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
-            request.num_computed_tokens = num_hit_tokens
+            if not is_pulled:
+                self._record_admission(request, num_hit_tokens)
+                if self.remote is not None:
+                    self.remote.compute_locally(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             budget.take(request, num_new)
             self._note_filling(request, num_hit_tokens, num_new, budget)
             if budget.in_flight_hashes is not None:
                 end = (num_hit_tokens + num_new) // self.kv_cache_manager.block_size
-                budget.in_flight_hashes.update(request.block_hashes[len(hits) : end])
+                first = num_hit_tokens // self.kv_cache_manager.block_size
+                budget.in_flight_hashes.update(request.block_hashes[first:end])
             scheduled.append(request)
         return scheduled
+
+    def _record_admission(self, request: Request, num_hit_tokens: int) -> None:
+        self.kv_cache_manager.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        request.num_computed_tokens = num_hit_tokens
+
+    def _num_external_tokens(self, request: Request, num_hit_tokens: int) -> int:
+        if self.remote is None or request.kv_transfer_params is None:
+            return 0
+        return self.remote.num_external_tokens(request, num_hit_tokens)
+
+    def _park_for_remote_kv(
+        self, request: Request, hits: list[KVCacheBlock], num_hit_tokens: int, num_external: int
+    ) -> bool:
+        """Allocates blocks for a request's hits and pulled tokens and parks it for the pull.
+
+        False when the pool cannot hold them (the request stays first in the queue).
+        """
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, num_external, hits, num_hit_tokens
+        )
+        if new_blocks is None:
+            return False
+        self.waiting.pop()
+        self._record_admission(request, num_hit_tokens)
+        assert self.remote is not None
+        self.remote.park(request, num_hit_tokens, num_external)
+        return True
 
     def _next_block_in_flight(self, request: Request, num_hit_blocks: int, budget: _Budget) -> bool:
         """Whether another request computes, this step, the first block `request` missed."""
@@ -383,7 +483,7 @@ class Scheduler:
                     request.status = status
                     output.finish_reason = status.finish_reason
                     output.stop_reason = request.stop_reason
-                    self._free_request(request)
+                    output.kv_transfer_params = self._free_request(request)
                     stopped = True
         if stopped:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
@@ -422,11 +522,12 @@ class Scheduler:
         prefix = self.kv_cache_manager.prefix_cache_stats
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=self.get_num_unfinished_requests() - len(self.running),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_preemptions=self.num_preemptions,
+            num_kv_transfer_fallbacks=0 if self.remote is None else self.remote.num_fallbacks,
         )
 
 

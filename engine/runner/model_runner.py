@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvferry.kvtransfer.memory import allocate_kv_cache
+
 from kvferry.engine.attention import AttentionMetadata, KVCacheView, get_attention_backend
 from kvferry.engine.config import CacheConfig
 from kvferry.engine.models.config import ModelArchConfig
@@ -75,8 +77,11 @@ class ModelRunner:
         max_model_len: int,
         max_num_batched_tokens: int,
         attention_backend: str = "torch",
+        transfer_memory: bool = False,
     ) -> None:
         self.arch = arch
+        # The cache is registered with NIXL: allocate it where pulls read it fast.
+        self._transfer_memory = transfer_memory
         self.device = device
         self.block_size = cache.block_size
         if device.type == "cpu":
@@ -99,7 +104,10 @@ class ModelRunner:
         arch = self.arch
         # Blocks outermost, so one block is one contiguous region across all layers.
         shape = (num_blocks, arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_size)
-        kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        if self._transfer_memory:
+            kv_cache = allocate_kv_cache(shape, dtype, self.device)
+        else:
+            kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         views = [(kv_cache[:, i, 0], kv_cache[:, i, 1]) for i in range(arch.num_layers)]
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), shape %s",
