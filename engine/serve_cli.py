@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvferry.engine.arg_utils import add_engine_arguments, engine_config_from_args
+from kvferry.engine.kv_transfer_args import add_kv_transfer_arguments, kv_transfer_config
 
 ROLES = ("both", "prefill", "decode", "encoder")
 KV_FAILURE_POLICIES = ("recompute", "fail")
@@ -58,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parallel.add_argument("--pipeline-parallel-size", type=int, default=1)
     parallel.add_argument("--enable-prompt-embeds", action="store_true",
                           help="accept prompt embeddings in place of token ids")
+    add_kv_transfer_arguments(parser)
     add_engine_arguments(parser)
 
 
@@ -110,9 +112,9 @@ def _int_env(environ: Mapping[str, str], name: str, low: int, high: int) -> int 
 
 def check_supported(args: argparse.Namespace) -> str | None:
     """Why this command line cannot run yet, or None."""
-    if args.role != "both":
-        return (f"--role {args.role} needs KV transfer between pods, which is not available "
-                "yet; run with --role both")
+    if args.role == "encoder":
+        return ("--role encoder needs an encoder-decoder model, which is not available yet; "
+                "run with --role prefill, decode or both")
     if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
         return ("tensor and pipeline parallelism are not available yet; "
                 "--tensor-parallel-size and --pipeline-parallel-size must be 1")
@@ -152,8 +154,12 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
     try:
-        pod_environment(os.environ)
+        env = pod_environment(os.environ)
         config = engine_config_from_args(args)
+        config.kv_transfer = kv_transfer_config(
+            args, os.environ, env.nixl_port, env.kv_lease_seconds, env.kv_failure_policy,
+            env.pod_ip,
+        )
         settings = ServerSettings(
             host=args.host, port=args.port, api_key=read_api_key(args, os.environ),
             chat_template=args.chat_template, max_num_waiting=args.max_num_waiting,

@@ -13,6 +13,7 @@ import pytest
 
 from kvferry.engine.arg_utils import engine_config_from_args
 from kvferry.engine.cli import build_parser
+from kvferry.engine.kv_transfer_args import kv_transfer_config
 from kvferry.engine.serve_cli import check_supported, pod_environment, read_api_key
 from kvferry.operator.render import render_children
 from kvferry.operator.spec import parse_spec
@@ -99,10 +100,11 @@ def test_role_defaults_to_the_pod_environment(monkeypatch: pytest.MonkeyPatch) -
     assert parse_serve(["kvferry", "serve", "--model", "demo"]).role == "both"
 
 
-def test_only_role_both_runs_today() -> None:
+def test_prefill_decode_and_both_run_encoder_not_yet() -> None:
     base = ["kvferry", "serve", "--model", "demo"]
-    assert check_supported(parse_serve(base)) is None
-    assert "KV transfer" in check_supported(parse_serve([*base, "--role", "prefill"]))
+    for role in ("both", "prefill", "decode"):
+        assert check_supported(parse_serve([*base, "--role", role])) is None
+    assert "encoder-decoder" in check_supported(parse_serve([*base, "--role", "encoder"]))
     assert "--max-num-waiting" in check_supported(parse_serve([*base, "--max-num-waiting", "0"]))
 
 
@@ -143,3 +145,19 @@ def test_the_drain_timeout_comes_from_the_services_config_map(
     with pytest.raises(SystemExit):
         parse_serve(container["args"])
     assert "invalid float value: 'soon'" in capsys.readouterr().err
+
+
+def test_kv_transfer_config_per_role() -> None:
+    base = ["kvferry", "serve", "--model", "demo"]
+    both = parse_serve(base)
+    assert kv_transfer_config(both, {}, None, None, None, None) is None
+    # The operator's side-channel port turns the connector on for a colocated pod too.
+    assert kv_transfer_config(both, {}, 5600, None, None, None).side_channel_port == 5600
+    prefill = parse_serve([*base, "--role", "prefill", "--host", "0.0.0.0"])
+    config = kv_transfer_config(prefill, {}, 5600, 12, "fail", "10.0.0.7")
+    assert (config.side_channel_host, config.advertise_host) == ("0.0.0.0", "10.0.0.7")
+    assert (config.lease_s, config.failure_policy, config.model_id) == (12, "fail", "demo")
+    decode = parse_serve([*base, "--role", "decode", "--kv-lease-seconds", "3",
+                          "--kv-failure-policy", "recompute"])
+    config = kv_transfer_config(decode, {}, None, 12, "fail", None)
+    assert (config.side_channel_port, config.lease_s, config.failure_policy) == (0, 3, "recompute")

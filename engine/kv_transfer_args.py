@@ -1,0 +1,59 @@
+"""`kvferry serve`'s KV-transfer flags and the config they build, per role.
+
+`prefill` and `decode` pods always run a connector; `both` (colocated) runs one when asked
+(`--kv-transfer`, or a side-channel port in the pod environment), and then accepts either
+kind of `kv_transfer_params`. The operator renders the environment variables; a flag wins
+over its variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+
+from kvferry.kvtransfer.config import KVTransferConfig
+
+
+def add_kv_transfer_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("KV transfer (prefill/decode disaggregation)")
+    group.add_argument("--kv-transfer", action="store_true",
+                       help="with --role both: run the KV connector too (prefill and decode "
+                            "roles always do)")
+    group.add_argument("--nixl-port", type=int, default=None, metavar="PORT",
+                       help="side channel port (default $KVFERRY_NIXL_PORT, else a free port)")
+    group.add_argument("--kv-lease-seconds", type=float, default=None, metavar="S",
+                       help="seconds a prefill's blocks are held for a pull without a "
+                            "heartbeat (default $KVFERRY_KV_LEASE_SECONDS or 30)")
+    group.add_argument("--kv-failure-policy", choices=("recompute", "fail"), default=None,
+                       help="when a pull fails: compute the prompt here, or fail the request "
+                            "(default $KVFERRY_KV_FAILURE_POLICY or recompute)")
+    group.add_argument("--kv-pull-timeout", type=float, default=30.0, metavar="S",
+                       help="seconds a started pull may take before it fails")
+
+
+def kv_transfer_config(
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    nixl_port: int | None,
+    lease_s: float | None,
+    failure_policy: str | None,
+    pod_ip: str | None,
+) -> KVTransferConfig | None:
+    """The connector's config for this pod, or None when it runs without one.
+
+    `nixl_port`, `lease_s`, `failure_policy`, `pod_ip`: from the validated pod environment.
+    """
+    port = args.nixl_port if args.nixl_port is not None else nixl_port
+    if args.role == "both" and not args.kv_transfer and port is None:
+        return None
+    bind_all = args.host in ("0.0.0.0", "::", "")
+    return KVTransferConfig(
+        model_id=args.served_model_name or args.model,
+        side_channel_host="0.0.0.0" if bind_all else args.host,
+        side_channel_port=port or 0,
+        # Peers dial the pod IP when the server listens on every interface.
+        advertise_host=pod_ip if bind_all and pod_ip else None,
+        lease_s=args.kv_lease_seconds or lease_s or 30.0,
+        pull_timeout_s=args.kv_pull_timeout,
+        failure_policy=args.kv_failure_policy or failure_policy or "recompute",  # type: ignore[arg-type]
+    )
