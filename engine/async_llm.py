@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import Any
 from collections.abc import AsyncIterator, Callable
 
 from kvferry.engine.config import EngineConfig
@@ -165,6 +166,7 @@ class AsyncLLM:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields DELTA outputs of one request; the last has `finished=True`.
 
@@ -172,7 +174,9 @@ class AsyncLLM:
         first output, and EngineDeadError if the core dies mid-request. When the caller
         stops iterating (aclose, cancellation), the request is aborted in the core at once.
         """
-        queue = self._add_request(request_id, prompt, params, priority, arrival_time)
+        queue = self._add_request(
+            request_id, prompt, params, priority, arrival_time, kv_transfer_params
+        )
         is_finished = False
         try:
             while True:
@@ -200,6 +204,7 @@ class AsyncLLM:
         params: SamplingParams,
         priority: int,
         arrival_time: float | None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> asyncio.Queue[RequestOutput | EngineDeadError]:
         self._check_serving()
         if request_id in self._queues:
@@ -212,7 +217,7 @@ class AsyncLLM:
             processed = self.input_processor.process_prompt(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         core_requests = self.input_processor.make_requests(
-            request_id, processed, params, arrival, priority
+            request_id, processed, params, arrival, priority, kv_transfer_params
         )
         self._check_queue_room()
         self.output_processor.add_request(make_parent_state(

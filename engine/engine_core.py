@@ -83,6 +83,7 @@ class EngineCore:
             eos_token_ids=list(self.arch.eos_token_ids),
             block_size=cache_cfg.block_size,
             num_blocks=num_blocks,
+            kv_transfer_enabled=self.kv_connector is not None,
         )
         logger.info(
             "engine core ready: %s (%s) on %s, dtype %s, max_model_len %d, %d KV blocks",

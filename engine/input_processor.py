@@ -14,6 +14,7 @@ from typing import Any
 from kvferry.engine.messages import EngineCoreInfo, EngineCoreRequest
 from kvferry.engine.sampling_params import SamplingParams
 from kvferry.engine.tokenizer import Tokenizer
+from kvferry.kvtransfer.params import KVTransferParams
 
 # A prompt: text, token ids, or a dict with "prompt" or "prompt_token_ids".
 PromptType = str | list[int] | Mapping[str, Any]
@@ -42,6 +43,7 @@ class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, info: EngineCoreInfo) -> None:
         self.tokenizer = tokenizer
         self.limits = info.limits
+        self.kv_transfer_enabled = info.kv_transfer_enabled
         eos = info.eos_token_ids
         if not eos and tokenizer.eos_token_id is not None:
             eos = [tokenizer.eos_token_id]
@@ -62,6 +64,7 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float,
         priority: int = 0,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> list[EngineCoreRequest]:
         """The core requests of one user request: itself, or its `n` children."""
         if not isinstance(params, SamplingParams):
@@ -69,6 +72,7 @@ class InputProcessor:
         if CHILD_ID_SEPARATOR in request_id:
             raise ValueError("a request id may not contain the NUL character")
         self.limits.check_params(params)
+        kv_transfer_params = self._check_kv_transfer_params(kv_transfer_params, params)
         if params.n == 1:
             children = [(request_id, params)]
         else:
@@ -84,9 +88,23 @@ class InputProcessor:
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=arrival_time,
                 priority=priority,
+                kv_transfer_params=kv_transfer_params,
             )
             for child_id, child_params in children
         ]
+
+    def _check_kv_transfer_params(
+        self, data: dict[str, Any] | None, params: SamplingParams
+    ) -> dict[str, Any] | None:
+        """Validates them here, so a bad object is the client's 400, not a core error."""
+        if KVTransferParams.from_dict(data) is None:
+            return None
+        if not self.kv_transfer_enabled:
+            raise ValueError("kv_transfer_params: this server runs without KV transfer "
+                             "(start it with --role prefill, decode, or --kv-transfer)")
+        if params.n != 1:
+            raise ValueError("kv_transfer_params need n=1")
+        return dict(data)  # type: ignore[arg-type]
 
 
 def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:

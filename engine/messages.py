@@ -159,6 +159,8 @@ class EngineCoreInfo(msgspec.Struct, array_like=True, frozen=True):
     block_size: int
     # KV blocks in the pool, the null block included.
     num_blocks: int
+    # The core runs a KV connector: requests may carry kv_transfer_params.
+    kv_transfer_enabled: bool = False
 
 
 # ---------------------------------------------------------------- the engine-core socket

@@ -9,6 +9,7 @@ core (`child_request_id`). What a caller receives each step depends on the reque
 from __future__ import annotations
 
 import enum
+from typing import Any
 import time
 from dataclasses import dataclass, field
 
@@ -85,6 +86,10 @@ class ParentState:
     metrics: RequestMetrics
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     num_cached_tokens: int = 0
+    # From a producer's finished prefill: what the decode hop must carry.
+    kv_transfer_params: dict[str, Any] | None = None
+    # Why the core failed a completion, when it said.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -158,6 +163,10 @@ class OutputProcessor:
                     stopped_by_string.append(output.req_id)
             elif output.finished:
                 child.finish_reason, child.stop_reason = output.finish_reason, output.stop_reason
+            if output.kv_transfer_params is not None:
+                parent.kv_transfer_params = output.kv_transfer_params
+            if output.error is not None:
+                parent.error = output.error
             touched[parent.request_id] = parent
         outputs = [
             out for p in touched.values() if (out := self._make_output(p, now, stats)) is not None
@@ -240,6 +249,8 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=parent.num_cached_tokens,
             metrics=parent.metrics,
+            kv_transfer_params=parent.kv_transfer_params,
+            error=parent.error,
         )
 
     def abort(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -63,3 +64,7 @@ class RequestOutput:
     # Prompt tokens served from the prefix cache.
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # On a prefill pod, once finished: the `kv_transfer_params` for the decode hop.
+    kv_transfer_params: dict[str, Any] | None = None
+    # Why the engine failed the request (finish_reason "error"), when it said.
+    error: str | None = None

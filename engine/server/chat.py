@@ -108,11 +108,14 @@ def prepare(state: ServerState, body: ChatCompletionRequest, request: Request) -
 
 async def collect_chat(job: ChatJob, request: Request) -> ChatCompletionResponse:
     choices = [ChoiceState() for _ in range(job.params.n)]
+    kv_transfer_params = None
     try:
         async with abort_on_disconnect(request.receive, job.abort):
             async for _, output in stream_outputs(
-                job.engine, [job.response_id], [job.prompt], job.params, job.body.priority
+                job.engine, [job.response_id], [job.prompt], job.params, job.body.priority,
+                job.body.kv_transfer_params,
             ):
+                kv_transfer_params = output.kv_transfer_params or kv_transfer_params
                 for delta in output.outputs:
                     choices[delta.index].add(delta)
     except (ValueError, RuntimeError) as exc:
@@ -132,6 +135,7 @@ async def collect_chat(job: ChatJob, request: Request) -> ChatCompletionResponse
             for i, c in enumerate(choices)
         ],
         usage=UsageInfo.of(job.record.num_prompt_tokens, job.record.num_output_tokens),
+        kv_transfer_params=kv_transfer_params,
     )
 
 

@@ -107,11 +107,14 @@ async def collect_completion(job: CompletionJob, request: Request) -> Completion
     choices = {
         (p, i): ChoiceState() for p in range(len(job.prompts)) for i in range(job.params.n)
     }
+    kv_transfer_params = None
     try:
         async with abort_on_disconnect(request.receive, job.abort):
             async for prompt_index, output in stream_outputs(
-                job.engine, job.request_ids, job.prompts, job.params, job.body.priority
+                job.engine, job.request_ids, job.prompts, job.params, job.body.priority,
+                job.body.kv_transfer_params,
             ):
+                kv_transfer_params = output.kv_transfer_params or kv_transfer_params
                 for delta in output.outputs:
                     choices[(prompt_index, delta.index)].add(delta)
     except (ValueError, RuntimeError) as exc:
@@ -124,6 +127,7 @@ async def collect_completion(job: CompletionJob, request: Request) -> Completion
         id=job.response_id, created=job.created, model=job.model,
         choices=[_whole_choice(job, p, i, c) for (p, i), c in choices.items()],
         usage=UsageInfo.of(job.record.num_prompt_tokens, job.record.num_output_tokens),
+        kv_transfer_params=kv_transfer_params,
     )
 
 

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
 
+from kvferry.engine.server.kv_metrics import KVTransferCollector
+
 if TYPE_CHECKING:
     from kvferry.engine.messages import SchedulerStats
     from kvferry.engine.stats import IterationStats
@@ -44,6 +46,8 @@ class EngineMetrics:
         self._make_gauges(block_size, num_gpu_blocks, enable_prefix_caching)
         self._make_counters()
         self._make_histograms()
+        self.kv_transfer = KVTransferCollector(model_name)
+        self.registry.register(self.kv_transfer)
 
     def _labels(self) -> dict[str, str]:
         return {"model_name": self.model_name}
@@ -121,6 +125,7 @@ class EngineMetrics:
         self.num_running.set(stats.num_running_reqs)
         self.num_waiting.set(stats.num_waiting_reqs)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.kv_transfer.update(stats.kv_transfer, stats.num_kv_transfer_fallbacks)
         self._last_prefix_queries = _add_growth(
             self.prefix_cache_queries, stats.prefix_cache_queries, self._last_prefix_queries)
         self._last_prefix_hits = _add_growth(

@@ -72,6 +72,9 @@ class SamplingRequest(OpenAIModel):
     # Lower runs earlier when the server schedules by priority.
     priority: Int64 = 0
     user: str | None = None
+    # Disaggregated serving, vLLM's shape: {"do_remote_decode": true} on a prefill pod;
+    # the params a prefill returned on a decode pod (see kvferry.kvtransfer.params).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -288,6 +291,8 @@ class CompletionResponse(OpenAIModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    # From a prefill pod: the params the decode hop must carry.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class TopLogprob(OpenAIModel):
@@ -324,6 +329,8 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    # From a prefill pod: the params the decode hop must carry.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class ChatDelta(OpenAIModel):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from typing import Any
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -68,6 +69,12 @@ def check_queue_room(engine: AsyncLLM, max_num_waiting: int | None) -> None:
                        code="queue_full")
 
 
+def check_output_error(output: RequestOutput) -> None:
+    """Raises the error the engine gave a request (a failed KV transfer), if any."""
+    if output.error is not None:
+        raise ApiError(502, output.error, code="kv_transfer_failed")
+
+
 def sub_request_ids(request_id: str, num_prompts: int) -> list[str]:
     """Engine ids of the prompts of one HTTP request."""
     if num_prompts == 1:
@@ -77,21 +84,27 @@ def sub_request_ids(request_id: str, num_prompts: int) -> list[str]:
 
 async def stream_outputs(
     engine: AsyncLLM, request_ids: list[str], prompts: list[ProcessedPrompt],
-    params: SamplingParams, priority: int,
+    params: SamplingParams, priority: int, kv_transfer_params: dict[str, Any] | None = None,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, delta output) of every prompt of a request, as they arrive.
 
     One prompt is iterated directly; several are pumped by one task each into a queue.
-    Leaving early (an error, a disconnect) aborts every prompt still running.
+    Leaving early (an error, a disconnect) aborts every prompt still running. An output
+    carrying the engine's error (a failed KV pull under policy `fail`) raises ApiError.
     """
     if len(prompts) == 1:
-        generator = engine.generate(request_ids[0], prompts[0], params, priority=priority)
+        generator = engine.generate(request_ids[0], prompts[0], params, priority=priority,
+                                    kv_transfer_params=kv_transfer_params)
         try:
             async for output in generator:
+                check_output_error(output)
                 yield 0, output
         finally:
             await generator.aclose()
         return
+    if kv_transfer_params:
+        raise bad_request("kv_transfer_params need a single prompt",
+                          param="kv_transfer_params")
     async for item in _merge(engine, request_ids, prompts, params, priority):
         yield item
 

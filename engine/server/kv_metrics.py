@@ -1,0 +1,74 @@
+"""The KV transfer metrics (`kvferry:kv_*`), rendered from the engine's latest snapshot.
+
+The transfer layer's counters are cumulative in the core (KVTransferStats, carried in each
+step's SchedulerStats), so this collector exports the last snapshot as it is: counters,
+the pull-duration histogram with its buckets made cumulative, and the gauges. A server
+without a KV connector exports none of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import accumulate
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from kvferry.kvtransfer.metrics import PULL_SECONDS_BUCKETS, FailureReason, KVTransferStats
+
+
+class KVTransferCollector(Collector):
+    """Exports the newest transfer snapshot handed to `update`."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self._stats: KVTransferStats | None = None
+        self._num_fallbacks = 0
+
+    def update(self, stats: KVTransferStats | None, num_fallbacks: int) -> None:
+        if stats is not None:
+            self._stats = stats
+            self._num_fallbacks = num_fallbacks
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats
+        if s is None:
+            return
+        labels, values = ["model_name"], [self.model_name]
+        yield _counter("kvferry:kv_transfer_bytes", "Bytes of KV pulled from remote engines",
+                       labels, values, s.bytes_pulled)
+        yield self._pull_seconds(s)
+        failures = CounterMetricFamily("kvferry:kv_transfer_failures",
+                                       "Failed KV pulls by reason", labels=["model_name", "reason"])
+        for reason in FailureReason:
+            failures.add_metric([self.model_name, reason.value], s.failures.get(reason.value, 0))
+        yield failures
+        yield _counter("kvferry:kv_transfer_fallbacks",
+                       "Requests whose pull failed and that were computed here instead",
+                       labels, values, self._num_fallbacks)
+        held = GaugeMetricFamily("kvferry:kv_blocks_held_for_transfer",
+                                 "KV blocks held for remote pulls", labels=labels)
+        held.add_metric(values, s.blocks_held)
+        yield held
+        yield _counter("kvferry:kv_lease_expirations",
+                       "Holds ended because no pull or heartbeat came within the lease",
+                       labels, values, s.lease_expirations)
+
+    def _pull_seconds(self, s: KVTransferStats) -> HistogramMetricFamily:
+        bounds = [str(b) for b in PULL_SECONDS_BUCKETS] + ["+Inf"]
+        cumulative = list(accumulate(s.pull_seconds_buckets))
+        family = HistogramMetricFamily("kvferry:kv_transfer_seconds",
+                                       "Seconds a KV pull took", labels=["model_name"])
+        family.add_metric([self.model_name], list(zip(bounds, cumulative)), s.pull_seconds_sum)
+        return family
+
+
+def _counter(name: str, doc: str, labels: list[str], values: list[str], value: float) -> Metric:
+    family = CounterMetricFamily(name, doc, labels=labels)
+    family.add_metric(values, value)
+    return family
