@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
 
 from kvferry.engine.server.kv_metrics import KVTransferCollector
+from kvferry.kvtransfer.metrics import KVTransferStats
 
 if TYPE_CHECKING:
     from kvferry.engine.messages import SchedulerStats
@@ -37,7 +38,7 @@ class EngineMetrics:
     """The server's metrics in a registry of their own (no process-wide globals)."""
 
     def __init__(self, model_name: str, block_size: int, num_gpu_blocks: int,
-                 enable_prefix_caching: bool) -> None:
+                 enable_prefix_caching: bool, kv_transfer_enabled: bool = False) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self._last_prefix_queries = 0
@@ -47,6 +48,9 @@ class EngineMetrics:
         self._make_counters()
         self._make_histograms()
         self.kv_transfer = KVTransferCollector(model_name)
+        if kv_transfer_enabled:
+            # Zeros from the start, so a rate() sees the first transfer.
+            self.kv_transfer.update(KVTransferStats(), 0)
         self.registry.register(self.kv_transfer)
 
     def _labels(self) -> dict[str, str]:
