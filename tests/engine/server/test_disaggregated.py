@@ -7,7 +7,9 @@ equal a colocated server's token for token, and every block taken must come back
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -119,3 +121,111 @@ def test_prefix_hits_on_the_decode_side_shorten_the_pull(trio: Trio) -> None:
     assert len(params["remote_block_ids"]) == 8
     assert bytes_pulled(trio.decode) - before == 3 * BLOCK_BYTES
     assert wait_for(lambda: used_blocks(trio.decode) == 0.0 and used_blocks(trio.prefill) == 0.0)
+
+
+# ---------------------------------------------------------------------------- faults
+def failures(server: ServerProcess, reason: str) -> float:
+    return server.metrics()[f'kvferry:kv_transfer_failures_total{{model_name="tiny",reason="{reason}"}}']
+
+
+def start_role(server_factory: Callable[..., ServerProcess], model: Path, role: str,
+               *flags: str) -> ServerProcess:
+    return server_factory(model, "--role", role, "--block-size", str(BLOCK_SIZE),
+                          "--served-model-name", "tiny", *flags)
+
+
+def kill_pod(server: ServerProcess) -> None:
+    """Kills a server and its engine core at once, as a pod dies (the core would otherwise
+    notice its parent gone only at its next check)."""
+    core_pid = server.engine_pid()
+    os.kill(core_pid, signal.SIGKILL)
+    server.kill_group()
+    assert wait_for(lambda: not Path(f"/proc/{core_pid}").exists() or _is_zombie(core_pid), 10)
+
+
+def _is_zombie(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    return True
+
+
+def held_params(prefill: ServerProcess, prompt: list[int]) -> dict[str, Any]:
+    response = complete(prefill, prompt, 1, {"do_remote_decode": True})
+    assert response.status_code == 200, response.text
+    return response.json()["kv_transfer_params"]
+
+
+def test_decode_gone_after_prefill_the_producer_frees_at_lease_end(
+    server_factory: Callable[..., ServerProcess], tiny_model: Path,
+) -> None:
+    prefill = start_role(server_factory, tiny_model, "prefill", "--kv-lease-seconds", "1")
+    decode = start_role(server_factory, tiny_model, "decode")
+    held_params(prefill, prompt_of(3 * BLOCK_SIZE, 11))
+    assert prefill.metric("kvferry:kv_blocks_held_for_transfer") == 3
+    assert used_blocks(prefill) > 0
+    kill_pod(decode)
+    assert wait_for(lambda: used_blocks(prefill) == 0.0, 10)
+    assert prefill.metric("kvferry:kv_lease_expirations_total") == 1
+    assert prefill.metric("kvferry:kv_blocks_held_for_transfer") == 0
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_producer_killed_before_the_pull(
+    server_factory: Callable[..., ServerProcess], tiny_model: Path, trio: Trio, policy: str,
+) -> None:
+    prefill = start_role(server_factory, tiny_model, "prefill")
+    decode = start_role(server_factory, tiny_model, "decode", "--kv-failure-policy", policy)
+    prompt = prompt_of(2 * BLOCK_SIZE + 3, 21)
+    params = held_params(prefill, prompt)
+    kill_pod(prefill)
+    started = time.monotonic()
+    response = complete(decode, prompt, MAX_TOKENS, params)
+    assert time.monotonic() - started < 30
+    assert failures(decode, "producer_unreachable") == 1
+    if policy == "recompute":
+        assert text_of(response) == text_of(complete(trio.colocated, prompt, MAX_TOKENS))
+        assert decode.metric("kvferry:kv_transfer_fallbacks_total") == 1
+    else:
+        assert response.status_code == 502, response.text
+        assert "producer_unreachable" in response.json()["error"]["message"]
+        assert decode.metric("kvferry:kv_transfer_fallbacks_total") == 0
+    assert wait_for(lambda: used_blocks(decode) == 0.0)
+
+
+def test_mismatched_layout_is_refused_at_handshake(
+    server_factory: Callable[..., ServerProcess], tiny_model: Path, trio: Trio,
+) -> None:
+    # Same model, other block size: the producer's layout cannot fill the decoder's blocks.
+    prefill = server_factory(tiny_model, "--role", "prefill", "--block-size", "8",
+                             "--served-model-name", "tiny")
+    prompt = prompt_of(2 * BLOCK_SIZE + 3, 31)
+    params = held_params(prefill, prompt)
+    before = failures(trio.decode, "incompatible")
+    text = text_of(complete(trio.decode, prompt, MAX_TOKENS, params))
+    assert text == text_of(complete(trio.colocated, prompt, MAX_TOKENS))
+    assert failures(trio.decode, "incompatible") == before + 1
+    # The decode side said it will not pull: the producer frees at once, not at lease end.
+    assert wait_for(lambda: used_blocks(prefill) == 0.0, 3)
+    assert wait_for(lambda: used_blocks(trio.decode) == 0.0)
+
+
+def test_producer_restarted_on_the_same_port(
+    server_factory: Callable[..., ServerProcess], tiny_model: Path, trio: Trio,
+) -> None:
+    from serve_helpers import free_port
+
+    nixl_port = str(free_port())
+    prefill = start_role(server_factory, tiny_model, "prefill", "--nixl-port", nixl_port)
+    prompt = prompt_of(2 * BLOCK_SIZE + 3, 41)
+    expected = text_of(complete(trio.colocated, prompt, MAX_TOKENS))
+    stale = held_params(prefill, prompt)
+    assert text_of(complete(trio.decode, prompt, MAX_TOKENS, stale)) == expected
+    kill_pod(prefill)
+    prefill = start_role(server_factory, tiny_model, "prefill", "--nixl-port", nixl_port)
+    # Params of the dead incarnation: refused, recomputed, answered correctly.
+    stale = dict(stale, remote_request_id="gone")
+    assert text_of(complete(trio.decode, prompt, MAX_TOKENS, stale)) == expected
+    # The new incarnation is found through a fresh handshake.
+    text, params = prefill_then_decode(Trio(prefill, trio.decode, trio.colocated), prompt)
+    assert text == expected and params["remote_port"] == int(nixl_port)
+    assert wait_for(lambda: used_blocks(prefill) == 0.0 and used_blocks(trio.decode) == 0.0)
