@@ -7,6 +7,7 @@ equal a colocated server's token for token, and every block taken must come back
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -229,3 +230,52 @@ def test_producer_restarted_on_the_same_port(
     text, params = prefill_then_decode(Trio(prefill, trio.decode, trio.colocated), prompt)
     assert text == expected and params["remote_port"] == int(nixl_port)
     assert wait_for(lambda: used_blocks(prefill) == 0.0 and used_blocks(trio.decode) == 0.0)
+
+
+# ---------------------------------------------------------------------------- load
+async def _prefill_then_decode_async(client: httpx.AsyncClient, trio: Trio,
+                                     prompt: list[int]) -> httpx.Response:
+    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "temperature": 0.0,
+                            "ignore_eos": True}
+    first = await client.post(f"{trio.prefill.url}/v1/completions", json={
+        **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    assert first.status_code == 200, first.text
+    return await client.post(f"{trio.decode.url}/v1/completions", json={
+        **body, "max_tokens": 2, "kv_transfer_params": first.json()["kv_transfer_params"]})
+
+
+def test_200_concurrent_prefill_then_decode_leak_no_block(trio: Trio) -> None:
+    prompts = [prompt_of(17 + i % 40, 5000 + 13 * i) for i in range(200)]
+
+    async def run_all() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(timeout=180.0, limits=limits) as client:
+            return await asyncio.gather(
+                *(_prefill_then_decode_async(client, trio, p) for p in prompts))
+
+    responses = asyncio.run(run_all())
+    assert [r.status_code for r in responses] == [200] * 200
+    assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in responses)
+    assert wait_for(lambda: used_blocks(trio.prefill) == 0.0 and used_blocks(trio.decode) == 0.0)
+    assert trio.prefill.metric("kvferry:kv_blocks_held_for_transfer") == 0
+
+
+def test_clients_cancelling_at_any_point_free_blocks_on_both_sides(trio: Trio) -> None:
+    async def cancel_after(client: httpx.AsyncClient, prompt: list[int], delay_s: float) -> None:
+        task = asyncio.ensure_future(_prefill_then_decode_async(client, trio, prompt))
+        await asyncio.sleep(delay_s)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, AssertionError):
+            await task
+
+    async def run_all() -> None:
+        async with httpx.AsyncClient(timeout=60.0) as client:
+            await asyncio.gather(*(
+                cancel_after(client, prompt_of(3 * BLOCK_SIZE + i, 7000 + 17 * i), 0.002 * i)
+                for i in range(30)))
+
+    asyncio.run(run_all())
+    # Holds of prefills whose decode was never sent end at the 5 s lease at the latest.
+    assert wait_for(lambda: used_blocks(trio.prefill) == 0.0 and used_blocks(trio.decode) == 0.0,
+                    15)
+    assert trio.prefill.metric("kvferry:kv_blocks_held_for_transfer") == 0
