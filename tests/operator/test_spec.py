@@ -80,6 +80,8 @@ INVALID = [
     (_with("pools.decode", {"resources": {"limits": {"memory": "lots"}}}), "spec.pools.decode.resources.limits.memory"),
     (_with("redis", {"url": "http://not-redis"}), "spec.redis.url"),
     (_with("router", {"routing": {"decode": "random"}}), "spec.router.routing.decode"),
+    (_with("kvTransfer.failurePolicy", "retry"), "spec.kvTransfer.failurePolicy"),
+    (_with("kvTransfer.leaseSeconds", 0), "spec.kvTransfer.leaseSeconds"),
 ]
 
 CEL_INVALID = [
