@@ -181,8 +181,7 @@ async def _check_death(server: ServerProcess) -> None:
 
 
 @pytest.mark.parametrize(("flags", "words"), [
-    (["--role", "decode"], "KV transfer"),
-    (["--role", "prefill", "--redis", "redis://r:6379/0"], "KV transfer"),
+    (["--role", "encoder"], "encoder-decoder"),
     (["--tensor-parallel-size", "2"], "parallelism"),
 ])
 def test_unsupported_command_lines_exit_at_once(flags: list[str], words: str) -> None:
