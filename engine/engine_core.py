@@ -94,7 +94,7 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queues one sequence; ValueError if it could never be scheduled or is a duplicate."""
-        if request.req_id in self.scheduler.requests:
+        if self.scheduler.has_request(request.req_id):
             raise ValueError(f"request id {request.req_id!r} is already in use")
         self.info.limits.check_prompt(request.prompt_token_ids)
         self.info.limits.check_params(request.sampling_params)

@@ -135,6 +135,10 @@ class Scheduler:
             list(scheduler_output.num_scheduled_tokens), RequestStatus.FINISHED_ERROR
         )
 
+    def has_request(self, req_id: str) -> bool:
+        """Whether the id is taken: by an unfinished request, or one whose blocks are kept."""
+        return req_id in self.requests or (self.remote is not None and req_id in self.remote.kept)
+
     def get_num_unfinished_requests(self) -> int:
         num_remote = 0 if self.remote is None else len(self.remote.waiting_for_remote)
         return len(self.waiting) + len(self.running) + num_remote

@@ -183,7 +183,10 @@ def test_producer_finishes_after_one_token_and_holds_blocks(pair) -> None:
     assert returned.do_remote_prefill and returned.remote_block_ids == ((1, 2, 3),)
     assert returned.remote_request_id == "p" and returned.kvferry_num_tokens == 10
     assert free_blocks(scheduler) == start - 3 and scheduler.has_unfinished_requests()
+    # Its id stays taken while its blocks are held.
+    assert scheduler.has_request("p")
     scheduler.update_from_kv_connector(KVConnectorOutput(finished_sends=["p"]))
+    assert not scheduler.has_request("p")
     assert free_blocks(scheduler) == start and not scheduler.has_unfinished_requests()
 
 
@@ -192,3 +195,17 @@ def test_params_without_a_connector_are_refused() -> None:
     scheduler = Scheduler(SchedulerConfig(max_model_len=64), manager)
     with pytest.raises(ValueError, match="KV transfer"):
         scheduler.add_request(make_request("d", 10, remote_params(10, [5, 6, 7])))
+
+
+def test_a_prompt_all_in_the_local_prefix_cache_pulls_nothing(pair) -> None:
+    scheduler, connector = pair
+    scheduler.add_request(make_request("a", 9, None))
+    while scheduler.has_requests_to_compute():
+        run_step(scheduler)
+    scheduler.add_request(make_request("d", 9, remote_params(9, [5, 6, 7])))
+    output, _ = run_step(scheduler)
+    # 8 tokens are hits, the 9th is computed here: no pull, the params are spent.
+    assert output.num_scheduled_tokens == {"d": 1}
+    assert connector.build_connector_meta().pulls == []
+    assert scheduler.requests["d"].kv_transfer_params is None
+    assert connector.num_pulls_in_flight == 0
