@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from operator import attrgetter
+from typing import Any
 
 import numpy as np
 
@@ -30,13 +31,13 @@ from kvferry.engine.messages import EngineCoreOutput, FinishReason, SchedulerSta
 from kvferry.engine.request import Request, RequestStatus
 from kvferry.engine.remote_kv import RemoteKV
 from kvferry.engine.request_queue import make_request_queue
-from kvferry.kvtransfer.connector import KVConnectorOutput, KVConnectorScheduler
 from kvferry.engine.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
+from kvferry.kvtransfer.connector import KVConnectorOutput, KVConnectorScheduler
 
 _request_id = attrgetter("request_id")
 _num_computed_tokens = attrgetter("num_computed_tokens")
@@ -109,7 +110,7 @@ class Scheduler:
             finished.append(request)
         return finished
 
-    def _free_request(self, request: Request) -> dict | None:
+    def _free_request(self, request: Request) -> dict[str, Any] | None:
         """Frees a finished request's blocks, unless the KV connector keeps them.
 
         Returns the `kv_transfer_params` for a remote decode (a producer's finished prefill).

@@ -9,8 +9,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvferry.kvtransfer.memory import allocate_kv_cache
-
 from kvferry.engine.attention import AttentionMetadata, KVCacheView, get_attention_backend
 from kvferry.engine.config import CacheConfig
 from kvferry.engine.models.config import ModelArchConfig
@@ -25,6 +23,7 @@ from kvferry.engine.scheduler_output import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from kvferry.kvtransfer.memory import allocate_kv_cache
 
 logger = logging.getLogger(__name__)
 
