@@ -53,6 +53,9 @@ class FakeCore:
 
     remaining: dict[str, int] = field(default_factory=dict)
     aborted: list[tuple[list[str], RequestStatus]] = field(default_factory=list)
+    # Steps of transfer-only work left (blocks held for a pull): nothing to compute.
+    num_transfer_steps: int = 0
+    num_steps: int = 0
 
     def __post_init__(self) -> None:
         self.scheduler = FakeScheduler(self)
@@ -69,9 +72,15 @@ class FakeCore:
             self.remaining.pop(req_id, None)
 
     def has_unfinished_requests(self) -> bool:
+        return bool(self.remaining) or self.num_transfer_steps > 0
+
+    def has_requests_to_compute(self) -> bool:
         return bool(self.remaining)
 
     def step(self) -> EngineCoreOutputs:
+        self.num_steps += 1
+        if not self.remaining and self.num_transfer_steps > 0:
+            self.num_transfer_steps -= 1
         outputs = []
         for req_id in list(self.remaining):
             self.remaining[req_id] -= 1
@@ -281,3 +290,18 @@ def test_core_exits_when_the_front_end_is_killed(make_checkpoint, tmp_path: Path
             front_end.wait(TIMEOUT_S)
         if core_pid is not None and not _is_gone(core_pid):
             os.kill(core_pid, signal.SIGKILL)
+
+
+def test_transfer_only_work_steps_without_spinning_or_repeating_stats(loop: Loop) -> None:
+    loop.core.num_transfer_steps = 50
+    loop.send(add("short", 1))
+    messages = loop.recv_until_finished("short")
+    started = time.monotonic()
+    deadline = started + TIMEOUT_S
+    while loop.core.num_transfer_steps and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # Each idle step waits for input (2 ms) instead of spinning: 50 steps take about 0.1 s.
+    assert loop.core.num_transfer_steps == 0 and time.monotonic() - started >= 0.05
+    # Their stats did not change, so none of them was sent.
+    assert not loop.recv_socket.poll(100)
+    assert messages[-1].outputs.outputs[-1].finish_reason == FinishReason.LENGTH

@@ -279,3 +279,24 @@ def test_clients_cancelling_at_any_point_free_blocks_on_both_sides(trio: Trio) -
     assert wait_for(lambda: used_blocks(trio.prefill) == 0.0 and used_blocks(trio.decode) == 0.0,
                     15)
     assert trio.prefill.metric("kvferry:kv_blocks_held_for_transfer") == 0
+
+
+# ---------------------------------------------------------------------------- roles
+def test_role_both_with_kv_transfer_takes_either_kind_of_params(
+    server_factory: Callable[..., ServerProcess], tiny_model: Path, trio: Trio,
+) -> None:
+    both = server_factory(tiny_model, "--block-size", str(BLOCK_SIZE), "--served-model-name",
+                          "tiny", "--kv-transfer")
+    prompt = prompt_of(3 * BLOCK_SIZE + 2, 51)
+    expected = text_of(complete(trio.colocated, prompt, MAX_TOKENS))
+    # As the producer of the decode pod, then as the consumer of the prefill pod.
+    assert prefill_then_decode(Trio(both, trio.decode, trio.colocated), prompt)[0] == expected
+    assert prefill_then_decode(Trio(trio.prefill, both, trio.colocated), prompt)[0] == expected
+    assert wait_for(lambda: used_blocks(both) == 0.0 and used_blocks(trio.prefill) == 0.0)
+
+
+def test_params_without_kv_transfer_or_malformed_are_a_400(trio: Trio) -> None:
+    response = complete(trio.colocated, [5, 6, 7], 1, {"do_remote_decode": True})
+    assert response.status_code == 400 and "KV transfer" in response.text
+    response = complete(trio.decode, [5, 6, 7], 1, {"do_remote_prefill": True})
+    assert response.status_code == 400 and "remote_engine_id" in response.text
