@@ -16,7 +16,8 @@ Invariant: a pulled block enters the prefix-cache index only after its pull succ
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, replace
 
 from kvferry.engine.kv_cache import KVCacheManager
 from kvferry.engine.request import Request, RequestStatus
@@ -26,7 +27,9 @@ from kvferry.kvtransfer.connector import (
     KVConnectorScheduler,
     TransferFailure,
 )
-from kvferry.kvtransfer.params import KVTransferParams
+from kvferry.kvtransfer.params import KVTransferParams, prompt_hash
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,9 +67,21 @@ class RemoteKV:
         self.connector.add_request(request.request_id, request.kv_transfer_params)
 
     def num_external_tokens(self, request: Request, num_hit_tokens: int) -> int:
-        """Prompt tokens past the local hits that a pull would bring (0: compute them)."""
+        """Prompt tokens past the local hits that a pull would bring (0: compute them).
+
+        KV computed for another prompt is never pulled: the request computes its own.
+        """
+        params = request.kv_transfer_params
+        if params is not None and params.do_remote_prefill and not _same_prompt(request, params):
+            logger.warning(
+                "request %s: its prompt differs from the one request %s held on %s computed; "
+                "computing it here", request.request_id, params.remote_request_id,
+                params.remote_engine_id,
+            )
+            self.num_fallbacks += 1
+            return 0
         return self.connector.get_num_new_matched_tokens(
-            request.kv_transfer_params, request.num_prompt_tokens, num_hit_tokens
+            params, request.num_prompt_tokens, num_hit_tokens
         )
 
     def park(self, request: Request, num_hit_tokens: int, num_external: int) -> None:
@@ -134,4 +149,15 @@ class RemoteKV:
         )
         if keep:
             self.kept[request.request_id] = request
-        return params
+        if params is None:
+            return None
+        held_tokens = request.all_token_ids[: params.kvferry_num_tokens]
+        return replace(params, kvferry_prompt_hash=prompt_hash(held_tokens))
+
+
+def _same_prompt(request: Request, params: KVTransferParams) -> bool:
+    """Whether the held blocks were computed for this request's prompt (True if unknown)."""
+    if params.kvferry_prompt_hash is None:
+        return True  # a producer that does not say (another implementation): trust the router
+    held = request.prompt_token_ids[: params.kvferry_num_tokens]
+    return prompt_hash(held) == params.kvferry_prompt_hash

@@ -16,7 +16,8 @@ or a list of lists, one per block group (group 1: an encoder-decoder's cross-att
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,8 @@ TRANSFER_PROTOCOL_VERSION = 1
 BlockIdGroups = tuple[tuple[int, ...], ...]
 
 _KVFERRY_FIELDS = frozenset(
-    {"kvferry_agent_name", "kvferry_num_tokens", "kvferry_lease_s", "kvferry_protocol_version"}
+    {"kvferry_agent_name", "kvferry_num_tokens", "kvferry_lease_s", "kvferry_protocol_version",
+     "kvferry_prompt_hash"}
 )
 _REMOTE_FIELDS = (
     "remote_engine_id", "remote_host", "remote_port", "remote_block_ids", "remote_request_id"
@@ -59,6 +61,9 @@ class KVTransferParams:
     # Seconds the producer holds the blocks without a heartbeat.
     kvferry_lease_s: float | None = None
     kvferry_protocol_version: int = TRANSFER_PROTOCOL_VERSION
+    # Hash of the prompt tokens whose KV the blocks hold (prompt_hash): a consumer whose
+    # prompt differs must not take KV computed for another prompt.
+    kvferry_prompt_hash: str | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> KVTransferParams | None:
@@ -85,6 +90,7 @@ class KVTransferParams:
             kvferry_num_tokens=_optional_count(data, "kvferry_num_tokens"),
             kvferry_lease_s=_optional_seconds(data, "kvferry_lease_s"),
             kvferry_protocol_version=_protocol_version(data),
+            kvferry_prompt_hash=_optional_str(data, "kvferry_prompt_hash"),
         )
         params.check_remote_prefill()
         return params
@@ -115,8 +121,15 @@ class KVTransferParams:
             "kvferry_num_tokens": self.kvferry_num_tokens,
             "kvferry_lease_s": self.kvferry_lease_s,
             "kvferry_protocol_version": self.kvferry_protocol_version,
+            "kvferry_prompt_hash": self.kvferry_prompt_hash,
         }
         return {k: v for k, v in out.items() if v is not None}
+
+
+def prompt_hash(token_ids: Sequence[int]) -> str:
+    """A short digest of token ids, the same on every engine."""
+    digest = hashlib.sha256(b",".join(str(t).encode() for t in token_ids))
+    return digest.hexdigest()[:32]
 
 
 def _refuse_unknown_kvferry_fields(data: Mapping[str, Any]) -> None:

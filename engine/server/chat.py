@@ -173,7 +173,8 @@ async def stream_chat(job: ChatJob, request: Request) -> AsyncIterator[bytes]:
     try:
         async with abort_on_disconnect(request.receive, job.abort):
             async for _, output in stream_outputs(
-                job.engine, [job.response_id], [job.prompt], job.params, body.priority
+                job.engine, [job.response_id], [job.prompt], job.params, body.priority,
+                body.kv_transfer_params,
             ):
                 for delta in output.outputs:
                     choice = choices[delta.index]

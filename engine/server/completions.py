@@ -170,7 +170,8 @@ async def stream_completion(job: CompletionJob, request: Request) -> AsyncIterat
     try:
         async with abort_on_disconnect(request.receive, job.abort):
             async for prompt_index, output in stream_outputs(
-                job.engine, job.request_ids, job.prompts, job.params, body.priority
+                job.engine, job.request_ids, job.prompts, job.params, body.priority,
+                body.kv_transfer_params,
             ):
                 for delta in output.outputs:
                     key = (prompt_index, delta.index)

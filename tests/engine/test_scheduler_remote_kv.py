@@ -209,3 +209,20 @@ def test_a_prompt_all_in_the_local_prefix_cache_pulls_nothing(pair) -> None:
     assert connector.build_connector_meta().pulls == []
     assert scheduler.requests["d"].kv_transfer_params is None
     assert connector.num_pulls_in_flight == 0
+
+
+def test_blocks_held_for_another_prompt_are_never_pulled(pair) -> None:
+    scheduler, connector = pair
+    producer_side = make_request("p", 10, KVTransferParams.from_dict({"do_remote_decode": True}))
+    scheduler.add_request(producer_side)
+    _, [out] = run_step(scheduler)
+    held = KVTransferParams.from_dict(out.kv_transfer_params)
+    assert held.kvferry_prompt_hash is not None
+    other = make_request("d", 10, held)
+    other.prompt_token_ids[3] += 1
+    other.all_token_ids[3] += 1
+    scheduler.add_request(other)
+    output, _ = run_step(scheduler)
+    assert output.num_scheduled_tokens == {"d": 10}
+    assert connector.build_connector_meta().pulls == []
+    assert scheduler.make_stats().num_kv_transfer_fallbacks == 1

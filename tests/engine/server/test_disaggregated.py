@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import random
 import signal
 import time
 from collections.abc import Callable
@@ -90,8 +92,10 @@ def bytes_pulled(server: ServerProcess) -> float:
     return server.metric("kvferry:kv_transfer_bytes_total")
 
 
-def prompt_of(num_tokens: int, start: int) -> list[int]:
-    return [(start + 7 * i) % 250 + 3 for i in range(num_tokens)]
+def prompt_of(num_tokens: int, seed: int) -> list[int]:
+    """Random token ids: prompts of different seeds share no prefix block (no hidden hits)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 256) for _ in range(num_tokens)]
 
 
 @pytest.mark.parametrize("num_tokens", [5, 16 * 9 + 3])
@@ -300,3 +304,33 @@ def test_params_without_kv_transfer_or_malformed_are_a_400(trio: Trio) -> None:
     assert response.status_code == 400 and "KV transfer" in response.text
     response = complete(trio.decode, [5, 6, 7], 1, {"do_remote_prefill": True})
     assert response.status_code == 400 and "remote_engine_id" in response.text
+
+
+def test_a_streamed_decode_hop_pulls_too(trio: Trio) -> None:
+    """vLLM's proxies stream the decode hop; chat takes the params the same way."""
+    prompt = prompt_of(5 * BLOCK_SIZE + 1, 61)
+    expected = text_of(complete(trio.colocated, prompt, MAX_TOKENS))
+    params = held_params(trio.prefill, prompt)
+    before = bytes_pulled(trio.decode)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "kv_transfer_params": params}
+    text = ""
+    with httpx.stream("POST", f"{trio.decode.url}/v1/completions", json=body,
+                      timeout=REQUEST_TIMEOUT_S) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[len("data: "):])["choices"][0]["text"]
+    assert text == expected
+    assert bytes_pulled(trio.decode) - before == 5 * BLOCK_BYTES
+    chat_params = held_params(trio.prefill, prompt)
+    fallbacks = trio.decode.metric("kvferry:kv_transfer_fallbacks_total")
+    chat = httpx.post(f"{trio.decode.url}/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "kv_transfer_params": chat_params}, timeout=REQUEST_TIMEOUT_S)
+    # The chat prompt is not the held prompt: KV computed for another prompt is never
+    # pulled; the decode pod computes its own (a fallback) and the producer's hold is freed.
+    assert chat.status_code == 200, chat.text
+    assert trio.decode.metric("kvferry:kv_transfer_fallbacks_total") == fallbacks + 1
+    assert bytes_pulled(trio.decode) - before == 5 * BLOCK_BYTES
+    assert wait_for(lambda: used_blocks(trio.prefill) == 0.0 and used_blocks(trio.decode) == 0.0)
