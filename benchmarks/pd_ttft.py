@@ -142,8 +142,8 @@ def measure(servers: dict[str, Server], prompts: list[list[int]], n: int) -> dic
         prefill_hops.append(seconds)
         pulls.append(servers["decode"].metric("kvferry:kv_transfer_seconds_sum") - pulled_before)
     pd = [a + b for a, b in zip(prefill_hops, decode_hops)]
-    for name in ("kvferry:kv_transfer_bytes_total", "kvferry:kv_transfer_fallbacks_total"):
-        print(name, servers["decode"].metric(name))
+    if servers["decode"].metric("kvferry:kv_transfer_fallbacks_total"):
+        raise RuntimeError("a pull failed and was recomputed: the figures would not be P/D's")
     median = statistics.median
     return {
         "prompt_tokens": len(prompts[0]), "num_prompts": n,
