@@ -9,7 +9,6 @@ over its variable.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
 
 from kvferry.kvtransfer.config import KVTransferConfig
 
@@ -33,7 +32,6 @@ def add_kv_transfer_arguments(parser: argparse.ArgumentParser) -> None:
 
 def kv_transfer_config(
     args: argparse.Namespace,
-    environ: Mapping[str, str],
     nixl_port: int | None,
     lease_s: float | None,
     failure_policy: str | None,

@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         env = pod_environment(os.environ)
         config = engine_config_from_args(args)
         config.kv_transfer = kv_transfer_config(
-            args, os.environ, env.nixl_port, env.kv_lease_seconds, env.kv_failure_policy,
+            args, env.nixl_port, env.kv_lease_seconds, env.kv_failure_policy,
             env.pod_ip,
         )
         settings = ServerSettings(

@@ -150,14 +150,14 @@ def test_the_drain_timeout_comes_from_the_services_config_map(
 def test_kv_transfer_config_per_role() -> None:
     base = ["kvferry", "serve", "--model", "demo"]
     both = parse_serve(base)
-    assert kv_transfer_config(both, {}, None, None, None, None) is None
+    assert kv_transfer_config(both, None, None, None, None) is None
     # The operator's side-channel port turns the connector on for a colocated pod too.
-    assert kv_transfer_config(both, {}, 5600, None, None, None).side_channel_port == 5600
+    assert kv_transfer_config(both, 5600, None, None, None).side_channel_port == 5600
     prefill = parse_serve([*base, "--role", "prefill", "--host", "0.0.0.0"])
-    config = kv_transfer_config(prefill, {}, 5600, 12, "fail", "10.0.0.7")
+    config = kv_transfer_config(prefill, 5600, 12, "fail", "10.0.0.7")
     assert (config.side_channel_host, config.advertise_host) == ("0.0.0.0", "10.0.0.7")
     assert (config.lease_s, config.failure_policy, config.model_id) == (12, "fail", "demo")
     decode = parse_serve([*base, "--role", "decode", "--kv-lease-seconds", "3",
                           "--kv-failure-policy", "recompute"])
-    config = kv_transfer_config(decode, {}, None, 12, "fail", None)
+    config = kv_transfer_config(decode, None, 12, "fail", None)
     assert (config.side_channel_port, config.lease_s, config.failure_policy) == (0, 3, "recompute")
