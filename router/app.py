@@ -1,0 +1,248 @@
+"""The router's HTTP app: the engine server's endpoints, answered through the pools.
+
+A pure-ASGI gate before the routes gives each request an id (the client's X-Request-Id or
+a new one), checks the API key and refuses bodies over the size limit before they are read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import re
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvferry.engine.server.errors import error_body
+from kvferry.router.config import RouterSettings
+from kvferry.router.flow import Answer, Router
+from kvferry.router.hops import HopError
+
+logger = logging.getLogger("kvferry.router")
+
+API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_REQUEST_ID_PATTERN = re.compile(r"^[\x21-\x7e]{1,128}$")
+
+
+def error_json(status: int, message: str, code: str | None = None,
+               param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+class Gate:
+    """Request id, API key and body size, before any route reads the body."""
+
+    def __init__(self, app: ASGIApp, settings: RouterSettings) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in settings.api_keys]
+        self.max_body_bytes = settings.max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.lower(): v for k, v in scope.get("headers", ())}
+        given = headers.get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if _REQUEST_ID_PATTERN.match(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        refusal = self._refusal(scope["path"], headers)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        await self.app(scope, _limited(receive, self.max_body_bytes), send)
+
+    def _refusal(self, path: str, headers: dict[bytes, bytes]) -> Response | None:
+        if self.keys and path.startswith(API_PREFIXES) and not self._has_key(headers):
+            return error_json(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                              code="invalid_api_key")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return _too_large(self.max_body_bytes)
+        return None
+
+    def _has_key(self, headers: dict[bytes, bytes]) -> bool:
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        token = token.strip()
+        # Compare with every key (no early exit), so timing does not tell which one is near.
+        found = False
+        for key in self.keys:
+            found |= hmac.compare_digest(token, key)
+        return scheme.lower() == b"bearer" and found
+
+
+class BodyTooLarge(Exception):
+    """A chunked body grew past the limit while being read."""
+
+
+def _limited(receive: Receive, limit: int) -> Receive:
+    seen = 0
+
+    async def receive_limited() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise BodyTooLarge()
+        return message
+
+    return receive_limited
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return error_json(413, f"the request body is larger than {limit} bytes",
+                      code="request_too_large")
+
+
+def build_app(router: Router) -> FastAPI:
+    app = FastAPI(title="kvferry router", docs_url=None, redoc_url=None)
+    _add_generation_routes(app, router)
+    _add_passthrough_routes(app, router)
+    _add_probe_routes(app, router)
+    app.add_middleware(Gate, settings=router.settings)
+    return app
+
+
+def _add_generation_routes(app: FastAPI, router: Router) -> None:
+    async def generate(request: Request, endpoint: str) -> Response:
+        request_id = request.state.request_id
+        try:
+            raw = await request.body()
+        except BodyTooLarge:
+            return _too_large(router.settings.max_body_bytes)
+        try:
+            if router.can_relay_raw(raw):
+                answer = await router.relay_raw(endpoint, raw, request_id)
+            else:
+                body = _json_object(raw)
+                if isinstance(body, Response):
+                    return body
+                answer = await router.generate(endpoint, body, request_id)
+        except HopError as exc:
+            router.metrics.requests.labels(endpoint, str(exc.status)).inc()
+            return error_json(exc.status, str(exc), code=exc.code)
+        router.metrics.requests.labels(endpoint, str(answer.status)).inc()
+        return _response(answer, request_id)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, "/v1/chat/completions")
+
+
+def _json_object(raw: bytes) -> dict[str, Any] | Response:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return error_json(400, f"the body is not valid JSON: {exc}", code="invalid_json")
+    if not isinstance(body, dict):
+        return error_json(400, "the body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _response(answer: Answer, request_id: str) -> Response:
+    headers = {"x-request-id": request_id}
+    if answer.chunks is not None:
+        return StreamingResponse(answer.chunks, status_code=answer.status, headers=headers,
+                                 media_type=answer.headers["content-type"])
+    return Response(answer.body, status_code=answer.status, headers=headers,
+                    media_type=answer.headers["content-type"])
+
+
+def _add_passthrough_routes(app: FastAPI, router: Router) -> None:
+    """Endpoints any pod answers alike: relayed to a live pod of the decode pool."""
+
+    async def relay(request: Request, method: str, path: str) -> Response:
+        pods = router.pods.pool("decode") or router.pods.pool("prefill")
+        if not pods:
+            return error_json(503, "no pod can serve this request: no live pod",
+                              code="service_unavailable")
+        pod = min(pods, key=lambda p: p.num_routed)
+        try:
+            raw = await request.body()
+            response = await router.client.request(
+                method, pod.url + path, content=raw or None,
+                headers={"content-type": "application/json"}, timeout=10.0)
+        except BodyTooLarge:
+            return _too_large(router.settings.max_body_bytes)
+        except httpx.HTTPError as exc:
+            router.pods.mark_failed(pod)
+            return error_json(502, f"pod {pod.name} failed: {type(exc).__name__}",
+                              code="bad_gateway")
+        return Response(response.content, status_code=response.status_code,
+                        media_type=response.headers.get("content-type"))
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await relay(request, "GET", "/v1/models")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await relay(request, "POST", "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await relay(request, "POST", "/detokenize")
+
+
+def _add_probe_routes(app: FastAPI, router: Router) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        pools = router.pods.pools()
+        body = {"pools": pools, "redis": router.pods.is_connected}
+        status = 200 if pools.get("decode") else 503
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/ping")
+    async def ping() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+
+class CleanExitServer(uvicorn.Server):
+    """uvicorn that returns after SIGTERM/SIGINT instead of raising the signal again, so
+    the caller's cleanup (leaving the registry, closing clients) runs and the exit is 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
+
+
+def serve(settings: RouterSettings) -> int:
+    """Runs the router until SIGTERM/SIGINT; returns the exit code."""
+    return asyncio.run(_serve(settings))
+
+
+async def _serve(settings: RouterSettings) -> int:
+    router = Router(settings)
+    await router.start()
+    config = uvicorn.Config(build_app(router), host=settings.host, port=settings.port,
+                            log_level=settings.uvicorn_log_level, access_log=False,
+                            lifespan="off", timeout_graceful_shutdown=3)
+    server = CleanExitServer(config)
+    logger.info("routing service %s on http://%s:%d (policies: %s)", settings.service,
+                settings.host, settings.port,
+                ", ".join(f"{k}={v}" for k, v in settings.policies.items()))
+    try:
+        await server.serve()
+    finally:
+        await router.stop()
+    return 0 if server.started else 1
