@@ -16,20 +16,21 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvferry.engine.server.errors import error_body
 from kvferry.router.config import RouterSettings
 from kvferry.router.flow import Answer, Router
-from kvferry.router.hops import HopError
+from kvferry.router.hops import TRANSPORT_ERRORS, HopError
+import aiohttp
 
 logger = logging.getLogger("kvferry.router")
 
 API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PASSTHROUGH_TIMEOUT_S = 10.0
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _REQUEST_ID_PATTERN = re.compile(r"^[\x21-\x7e]{1,128}$")
 
@@ -39,25 +40,35 @@ def error_json(status: int, message: str, code: str | None = None,
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
-class Gate:
-    """Request id, API key and body size, before any route reads the body."""
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
-    def __init__(self, app: ASGIApp, settings: RouterSettings) -> None:
+
+class Gate:
+    """Request id, API key and body size before anything reads the body; then the generation
+    endpoints, answered in plain ASGI (the hot path: no framework request or response
+    objects, no task per streamed answer), and everything else through FastAPI."""
+
+    def __init__(self, app: ASGIApp, router: Router) -> None:
         self.app = app
-        self.keys = [k.encode() for k in settings.api_keys]
-        self.max_body_bytes = settings.max_body_bytes
+        self.router = router
+        self.keys = [k.encode() for k in router.settings.api_keys]
+        self.max_body_bytes = router.settings.max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k.lower(): v for k, v in scope.get("headers", ())}
+        headers = dict(scope.get("headers", ()))
         given = headers.get(b"x-request-id", b"").decode("latin-1")
         request_id = given if _REQUEST_ID_PATTERN.match(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
-        refusal = self._refusal(scope["path"], headers)
+        path = scope["path"]
+        refusal = self._refusal(path, headers)
         if refusal is not None:
             await refusal(scope, receive, send)
+            return
+        if path in GENERATION_PATHS and scope["method"] == "POST":
+            await self._generate(path, receive, send, request_id)
             return
         await self.app(scope, _limited(receive, self.max_body_bytes), send)
 
@@ -79,9 +90,87 @@ class Gate:
             found |= hmac.compare_digest(token, key)
         return scheme.lower() == b"bearer" and found
 
+    async def _generate(self, endpoint: str, receive: Receive, send: Send,
+                        request_id: str) -> None:
+        router = self.router
+        try:
+            raw = await _read_body(receive, self.max_body_bytes)
+        except BodyTooLarge:
+            await _send_error(send, 413, f"the request body is larger than "
+                              f"{self.max_body_bytes} bytes", "request_too_large", request_id)
+            return
+        try:
+            answer = await self._answer(endpoint, raw, request_id)
+        except HopError as exc:
+            router.metrics.requests.labels(endpoint, str(exc.status)).inc()
+            await _send_error(send, exc.status, str(exc), exc.code, request_id)
+            return
+        except ValueError as exc:  # the body is not a JSON object
+            router.metrics.requests.labels(endpoint, "400").inc()
+            await _send_error(send, 400, str(exc), "invalid_json", request_id)
+            return
+        router.metrics.requests.labels(endpoint, str(answer.status)).inc()
+        await _send_answer(send, answer, request_id)
+
+    async def _answer(self, endpoint: str, raw: bytes, request_id: str) -> Answer:
+        if self.router.can_relay_raw(raw):
+            return await self.router.relay_raw(endpoint, raw, request_id)
+        return await self.router.generate(endpoint, _json_object(raw), request_id)
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; ValueError says why it is not one."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    return body
+
 
 class BodyTooLarge(Exception):
     """A chunked body grew past the limit while being read."""
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    parts = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge()
+        parts.append(chunk)
+        if not message.get("more_body"):
+            break
+    return b"".join(parts)
+
+
+async def _send_answer(send: Send, answer: Answer, request_id: str) -> None:
+    headers = [(b"content-type", answer.headers["content-type"].encode("latin-1")),
+               (b"x-request-id", request_id.encode("latin-1"))]
+    if answer.chunks is None:
+        body = answer.body or b""
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        return
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    async for chunk in answer.chunks:
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def _send_error(send: Send, status: int, message: str, code: str, request_id: str) -> None:
+    body = json.dumps(error_body(status, message, None, code)).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        (b"x-request-id", request_id.encode("latin-1"))]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _limited(receive: Receive, limit: int) -> Receive:
@@ -106,60 +195,10 @@ def _too_large(limit: int) -> JSONResponse:
 
 def build_app(router: Router) -> FastAPI:
     app = FastAPI(title="kvferry router", docs_url=None, redoc_url=None)
-    _add_generation_routes(app, router)
     _add_passthrough_routes(app, router)
     _add_probe_routes(app, router)
-    app.add_middleware(Gate, settings=router.settings)
+    app.add_middleware(Gate, router=router)
     return app
-
-
-def _add_generation_routes(app: FastAPI, router: Router) -> None:
-    async def generate(request: Request, endpoint: str) -> Response:
-        request_id = request.state.request_id
-        try:
-            raw = await request.body()
-        except BodyTooLarge:
-            return _too_large(router.settings.max_body_bytes)
-        try:
-            if router.can_relay_raw(raw):
-                answer = await router.relay_raw(endpoint, raw, request_id)
-            else:
-                body = _json_object(raw)
-                if isinstance(body, Response):
-                    return body
-                answer = await router.generate(endpoint, body, request_id)
-        except HopError as exc:
-            router.metrics.requests.labels(endpoint, str(exc.status)).inc()
-            return error_json(exc.status, str(exc), code=exc.code)
-        router.metrics.requests.labels(endpoint, str(answer.status)).inc()
-        return _response(answer, request_id)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await generate(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await generate(request, "/v1/chat/completions")
-
-
-def _json_object(raw: bytes) -> dict[str, Any] | Response:
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return error_json(400, f"the body is not valid JSON: {exc}", code="invalid_json")
-    if not isinstance(body, dict):
-        return error_json(400, "the body must be a JSON object", code="invalid_json")
-    return body
-
-
-def _response(answer: Answer, request_id: str) -> Response:
-    headers = {"x-request-id": request_id}
-    if answer.chunks is not None:
-        return StreamingResponse(answer.chunks, status_code=answer.status, headers=headers,
-                                 media_type=answer.headers["content-type"])
-    return Response(answer.body, status_code=answer.status, headers=headers,
-                    media_type=answer.headers["content-type"])
 
 
 def _add_passthrough_routes(app: FastAPI, router: Router) -> None:
@@ -173,16 +212,18 @@ def _add_passthrough_routes(app: FastAPI, router: Router) -> None:
         pod = min(pods, key=lambda p: p.num_routed)
         try:
             raw = await request.body()
-            response = await router.client.request(
-                method, pod.url + path, content=raw or None,
-                headers={"content-type": "application/json"}, timeout=10.0)
+            async with router.client.request(
+                    method, pod.url + path, data=raw or None,
+                    headers={"content-type": "application/json"},
+                    timeout=aiohttp.ClientTimeout(PASSTHROUGH_TIMEOUT_S)) as response:
+                content = await response.read()
         except BodyTooLarge:
             return _too_large(router.settings.max_body_bytes)
-        except httpx.HTTPError as exc:
+        except TRANSPORT_ERRORS as exc:
             router.pods.mark_failed(pod)
             return error_json(502, f"pod {pod.name} failed: {type(exc).__name__}",
                               code="bad_gateway")
-        return Response(response.content, status_code=response.status_code,
+        return Response(content, status_code=response.status,
                         media_type=response.headers.get("content-type"))
 
     @app.get("/v1/models")
@@ -228,7 +269,12 @@ class CleanExitServer(uvicorn.Server):
 
 def serve(settings: RouterSettings) -> int:
     """Runs the router until SIGTERM/SIGINT; returns the exit code."""
-    return asyncio.run(_serve(settings))
+    try:
+        import uvloop
+    except ImportError:  # uvloop is optional (not on every platform)
+        return asyncio.run(_serve(settings))
+    # uvicorn picks uvloop only in its own run(); serving from our loop needs it set here.
+    return uvloop.run(_serve(settings))
 
 
 async def _serve(settings: RouterSettings) -> int:

@@ -16,11 +16,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 
 from kvferry.engine.server.errors import error_body
 from kvferry.router.config import RouterSettings
-from kvferry.router.hops import HopError, HopResponse, make_client, release, send_hop
+from kvferry.router.hops import (
+    TRANSPORT_ERRORS,
+    HopError,
+    HopResponse,
+    make_client,
+    release,
+    send_hop,
+)
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.pods import Pod, PodDirectory
 from kvferry.router.policies import Choice, make_policy
@@ -70,7 +77,7 @@ class Router:
 
     async def stop(self) -> None:
         await self.pods.stop()
-        await self.client.aclose()
+        await self.client.close()
 
     # ------------------------------------------------------------------ the whole request
     async def generate(self, endpoint: str, body: dict[str, Any], request_id: str) -> Answer:
@@ -144,14 +151,14 @@ class Router:
             return None
         pod = min(pods, key=lambda p: p.num_routed)
         try:
-            response = await self.client.post(pod.url + "/tokenize", json=query,
-                                               timeout=TOKENIZE_TIMEOUT_S)
-        except httpx.HTTPError as exc:
+            async with self.client.post(pod.url + "/tokenize", json=query,
+                                        timeout=aiohttp.ClientTimeout(TOKENIZE_TIMEOUT_S)) as r:
+                if r.status != 200:
+                    return None  # the engine gives the client the same 400 on the real hop
+                tokens = (await r.json()).get("tokens")
+        except (*TRANSPORT_ERRORS, ValueError) as exc:
             logger.warning("tokenize on %s failed: %s", pod.name, exc)
             return None
-        if response.status_code != 200:
-            return None  # the engine gives the client the same 400 on the real hop
-        tokens = response.json().get("tokens")
         return tokens if isinstance(tokens, list) else None
 
     # ------------------------------------------------------------------ prefill
@@ -187,21 +194,20 @@ class Router:
         if "max_completion_tokens" in prefill_body:
             prefill_body["max_completion_tokens"] = 1
         timeouts = self.settings.timeouts
-        timeout = httpx.Timeout(timeouts.prefill_s, connect=timeouts.connect_s)
+        timeout = aiohttp.ClientTimeout(total=timeouts.prefill_s, sock_connect=timeouts.connect_s)
         answer = await send_hop(self.client, self.pods, self.metrics, "prefill", "prefill",
                                 self._chooser("prefill", prompt, None), endpoint,
                                 _dumps(prefill_body), _headers(request_id), timeout)
         try:
-            raw = await answer.response.aread()
-        except httpx.HTTPError as exc:
+            raw = await answer.response.read()
+        except TRANSPORT_ERRORS as exc:
             raise HopError(f"prefill pod {answer.pod.name} failed mid-answer: {exc}") from None
         finally:
-            await answer.response.aclose()
             release(answer)
         self._remember(answer.pod.name, prompt)
-        if answer.response.status_code != 200:
+        if answer.response.status != 200:
             raise HopError(f"prefill pod {answer.pod.name} answered "
-                           f"{answer.response.status_code}: {raw[:200]!r}")
+                           f"{answer.response.status}: {raw[:200]!r}")
         params = json.loads(raw).get(KV_TRANSFER_FIELD)
         if not isinstance(params, dict):
             raise HopError(f"prefill pod {answer.pod.name} returned no {KV_TRANSFER_FIELD}")
@@ -232,28 +238,26 @@ class Router:
         headers = {"content-type": response.headers.get("content-type", "application/json")}
         if not headers["content-type"].startswith("text/event-stream"):
             try:
-                body = await response.aread()
-            except httpx.HTTPError as exc:
+                body = await response.read()
+            except TRANSPORT_ERRORS as exc:
                 raise HopError(f"decode pod {answer.pod.name} failed mid-answer: {exc}") from None
             finally:
-                await response.aclose()
                 release(answer)
-            return Answer(response.status_code, headers, body=body)
-        return Answer(response.status_code, headers, chunks=self._stream(answer))
+            return Answer(response.status, headers, body=body)
+        return Answer(response.status, headers, chunks=self._stream(answer))
 
     async def _stream(self, answer: HopResponse) -> AsyncIterator[bytes]:
         """The decode pod's SSE chunks as they come; an error event if it dies mid-way."""
         try:
-            async for chunk in answer.response.aiter_raw():
+            async for chunk in answer.response.content.iter_any():
                 yield chunk
-        except httpx.HTTPError as exc:
+        except TRANSPORT_ERRORS as exc:
             self.metrics.stream_errors.inc()
             logger.warning("decode pod %s failed mid-stream: %s", answer.pod.name, exc)
             error = error_body(502, f"the decode pod failed mid-answer: {type(exc).__name__}",
                                code="bad_gateway")
             yield b"data: " + _dumps(error) + b"\n\ndata: [DONE]\n\n"
         finally:
-            await answer.response.aclose()
             release(answer)
 
     def _remember(self, pod: str, prompt: Prompt) -> None:
