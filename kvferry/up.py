@@ -97,6 +97,7 @@ def pod_children(spec: Any, redis_url: str, env: dict[str, str]) -> list[ChildSp
             name = f"{spec.name}-{pool.name}-{index}"
             port = free_port()
             pod_args = _set_flag(_set_flag(args, "--host", "127.0.0.1"), "--port", str(port))
+            logger.info("pod %s: http://127.0.0.1:%d", name, port)
             children.append(ChildSpec(name, [sys.executable, "-m", "kvferry.engine.cli",
                                              *pod_args[1:]],
                                       env={**env, "KVFERRY_POD_NAME": name}))

@@ -8,10 +8,13 @@ from dataclasses import dataclass
 from kvferry.router.pods import Pod
 from kvferry.router.prefix_index import PrefixIndex
 
-# Prefix-aware: one waiting request costs as much as this many cached blocks, so a hot
-# prefix cannot pin every request on one pod once that pod queues.
-WAITING_PENALTY_BLOCKS = 4.0
-RUNNING_PENALTY_BLOCKS = 0.5
+# Prefix-aware scores a pod by the fraction of the prompt's blocks it holds (0 to 1) minus
+# its load: each request queued in its engine and each request this router has in flight
+# on it costs a share of a whole-prompt hit, so a hot prefix cannot pin all traffic on one
+# pod. With these weights a pod holding the whole prompt stops winning against an idle pod
+# at about 4 in-flight requests, or fewer when its engine reports a queue.
+WAITING_WEIGHT = 0.3
+IN_FLIGHT_WEIGHT = 0.25
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,8 @@ class LeastLoaded:
 
 
 class PrefixAware:
-    """Most leading prompt blocks held, minus a load penalty; ties go to the least loaded."""
+    """Largest share of leading prompt blocks held, minus a load penalty; ties go to the
+    least loaded."""
 
     name = "prefix-aware"
 
@@ -62,9 +66,9 @@ class PrefixAware:
         matched = self.index.num_leading_blocks(hashes, [p.name for p in pods])
 
         def score(pod: Pod) -> tuple[float, tuple[float, float, int], str]:
-            waiting, _, routed = load_key(pod)
-            penalty = WAITING_PENALTY_BLOCKS * waiting + RUNNING_PENALTY_BLOCKS * routed
-            return (-(matched[pod.name] - penalty), load_key(pod), pod.name)
+            penalty = (WAITING_WEIGHT * pod.record.num_waiting
+                       + IN_FLIGHT_WEIGHT * pod.num_routed)
+            return (-(matched[pod.name] / len(hashes) - penalty), load_key(pod), pod.name)
 
         best = min(pods, key=score)
         return Choice(best, matched[best.name] * best.record.block_size)

@@ -56,9 +56,11 @@ def test_prefix_aware_stops_sending_to_a_holder_under_skew() -> None:
     index = PrefixIndex()
     hashes = prompt_block_hashes(list(range(40)), 4)  # 10 blocks held by b
     index.stored("b", hashes)
-    assert PrefixAware(index).choose([pod("a"), pod("b", waiting=2)], hashes).pod.name == "b"
-    # Three waiting requests cost more than ten cached blocks are worth.
-    assert PrefixAware(index).choose([pod("a"), pod("b", waiting=3)], hashes).pod.name == "a"
+    assert PrefixAware(index).choose([pod("a"), pod("b", waiting=3)], hashes).pod.name == "b"
+    # Four queued requests cost more than a whole-prompt hit is worth...
+    assert PrefixAware(index).choose([pod("a"), pod("b", waiting=4)], hashes).pod.name == "a"
+    # ... and so do five requests the router has in flight on it.
+    assert PrefixAware(index).choose([pod("a"), pod("b", routed=5)], hashes).pod.name == "a"
 
 
 def test_prefix_aware_without_a_prompt_is_least_loaded() -> None:

@@ -1,0 +1,153 @@
+"""`kvferry up` of a real service (demo model, two engine pods, prefix-aware routing): the
+official openai client through the router gets what a single server gives."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+from procs import Proc, free_port, wait_http
+
+SERVICE_NAME = "uptest"
+KV_BYTES = str(32 * 1024 * 1024)
+MODEL_FLAGS = ["--max-model-len", "1024", "--kv-cache-memory-bytes", KV_BYTES,
+               "--block-size", "16", "--dtype", "float32"]
+# Words of the demo tokenizer's vocabulary, so a prompt's token count is predictable enough.
+SHARED_PREFIX = " ".join(["the history of the river and the town"] * 24)
+MESSAGES = [{"role": "user", "content": "Tell me about the river."}]
+
+
+def service_yaml(tmp: Path) -> Path:
+    manifest = {
+        "apiVersion": "kvferry.dev/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": SERVICE_NAME},
+        "spec": {
+            "model": {"source": "demo", "dtype": "float32", "maxModelLen": 1024},
+            "engine": {"blockSize": 16, "maxNumSeqs": 2,
+                       "extraArgs": ["--kv-cache-memory-bytes", KV_BYTES]},
+            "pools": {"decode": {"replicas": 2}},
+            "router": {"routing": {"decode": "prefix-aware"}},
+        },
+    }
+    path = tmp / "service.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    return path
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, dict[str, str]]]:
+    """`kvferry up` of the service; yields it and pod name -> URL."""
+    tmp = tmp_path_factory.mktemp("up")
+    port = free_port()
+    proc = Proc([sys.executable, "-m", "kvferry.engine.cli", "up", "-f", str(service_yaml(tmp)),
+                 "--port", str(port)], tmp / "up.log")
+    proc.port = port  # type: ignore[attr-defined]
+    try:
+        deadline = time.monotonic() + 240
+        while "ready: http" not in proc.log():
+            assert proc.proc.poll() is None and time.monotonic() < deadline, proc.log()
+            time.sleep(0.2)
+        pods = dict(re.findall(r"pod (\S+): (http://127\.0\.0\.1:\d+)", proc.log()))
+        assert sorted(pods) == [f"{SERVICE_NAME}-decode-0", f"{SERVICE_NAME}-decode-1"]
+        yield proc, pods
+    finally:
+        assert proc.stop(timeout_s=60) == 0, proc.log()
+        assert "Traceback" not in proc.log(), proc.log()
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """One colocated `kvferry serve`, the reference."""
+    tmp = tmp_path_factory.mktemp("single")
+    port = free_port()
+    proc = Proc([sys.executable, "-m", "kvferry.engine.cli", "serve", "--model", "demo",
+                 "--served-model-name", SERVICE_NAME, "--port", str(port), *MODEL_FLAGS],
+                tmp / "single.log")
+    proc.port = port  # type: ignore[attr-defined]
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc, 240)
+        yield proc
+    finally:
+        proc.stop()
+
+
+def client(port: int) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                         max_retries=0, timeout=60)
+
+
+def answers(port: int) -> list[object]:
+    c = client(port)
+    out: list[object] = []
+    for prompt in ("Hello", SHARED_PREFIX):
+        done = c.completions.create(model=SERVICE_NAME, prompt=prompt, max_tokens=12,
+                                    temperature=0)
+        out.append((done.choices[0].text, done.usage.prompt_tokens, done.usage.completion_tokens))
+        stream = c.completions.create(model=SERVICE_NAME, prompt=prompt, max_tokens=12,
+                                      temperature=0, stream=True)
+        out.append("".join(chunk.choices[0].text for chunk in stream if chunk.choices))
+    chat = c.chat.completions.create(model=SERVICE_NAME, messages=MESSAGES, max_tokens=12,
+                                     temperature=0)
+    out.append(chat.choices[0].message.content)
+    stream = c.chat.completions.create(model=SERVICE_NAME, messages=MESSAGES, max_tokens=12,
+                                       temperature=0, stream=True)
+    out.append("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices))
+    return out
+
+
+def test_up_answers_like_a_single_server(up: tuple[Proc, dict[str, str]], single: Proc) -> None:
+    routed = answers(up[0].port)  # type: ignore[attr-defined]
+    assert routed == answers(single.port)  # type: ignore[attr-defined]
+    assert routed[0][0] and routed[1] == routed[0][0]  # the stream equals the whole answer
+
+
+def test_bad_input_gets_the_engines_400(up: tuple[Proc, dict[str, str]], single: Proc) -> None:
+    for body in ({"model": SERVICE_NAME, "prompt": "x", "max_tokens": -1},
+                 {"model": SERVICE_NAME, "prompt": "x", "temperature": "hot"},
+                 {"model": "other-model", "prompt": "x"}):
+        via_router = httpx.post(f"http://127.0.0.1:{up[0].port}/v1/completions", json=body)  # type: ignore[attr-defined]
+        direct = httpx.post(f"http://127.0.0.1:{single.port}/v1/completions", json=body)  # type: ignore[attr-defined]
+        assert via_router.status_code == direct.status_code
+        assert 400 <= direct.status_code < 500
+        assert via_router.json()["error"] == direct.json()["error"]
+
+
+def chosen(router_port: int) -> dict[str, float]:
+    """pod -> times the prefix-aware policy chose it."""
+    text = httpx.get(f"http://127.0.0.1:{router_port}/metrics").text
+    found = re.findall(r'kvferry:router_pod_chosen_total\{pod="([^"]+)",policy="prefix-aware",'
+                       r'pool="decode"\} (\S+)', text)
+    return {pod: float(value) for pod, value in found}
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {pod: after.get(pod, 0.0) - before.get(pod, 0.0) for pod in after}
+
+
+def test_shared_prefix_lands_on_its_holder_until_it_is_busy(up: tuple[Proc, dict[str, str]]
+                                                            ) -> None:
+    port = up[0].port  # type: ignore[attr-defined]
+    c = client(port)
+    prefix = SHARED_PREFIX + " and the bridge"
+    before = chosen(port)
+    for i in range(4):  # one at a time: every one goes where the prefix is
+        c.completions.create(model=SERVICE_NAME, prompt=f"{prefix} {i}", max_tokens=2)
+    sequential = delta(before, chosen(port))
+    (holder,) = [pod for pod, n in sequential.items() if n == 4]
+    # Eight at once, long answers, two sequences per pod: the holder queues, the rest go on.
+    before = chosen(port)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: c.completions.create(
+            model=SERVICE_NAME, prompt=f"{prefix} {i}", max_tokens=64,
+            extra_body={"ignore_eos": True}), range(8)))
+    burst = delta(before, chosen(port))
+    other = next(pod for pod in up[1] if pod != holder)
+    assert burst[holder] >= 2 and burst.get(other, 0) >= 2, burst
