@@ -4,7 +4,9 @@ official openai client through the router gets what a single server gives."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -151,3 +153,33 @@ def test_shared_prefix_lands_on_its_holder_until_it_is_busy(up: tuple[Proc, dict
     burst = delta(before, chosen(port))
     other = next(pod for pod in up[1] if pod != holder)
     assert burst[holder] >= 2 and burst.get(other, 0) >= 2, burst
+
+
+def child_with_port(parent: int, port: str) -> int:
+    """The pid of `parent`'s child process whose command line has `--port <port>`."""
+    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    for pid in children:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"--port" in argv and argv[argv.index(b"--port") + 1] == port.encode():
+            return int(pid)
+    raise AssertionError(f"no child of {parent} listens on {port}")
+
+
+def test_up_restarts_a_dead_pod(up: tuple[Proc, dict[str, str]]) -> None:
+    proc, pods = up
+    name = f"{SERVICE_NAME}-decode-1"
+    pid = child_with_port(proc.proc.pid, pods[name].rsplit(":", 1)[1])
+    os.killpg(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while f"[{name}] exited with" not in proc.log():
+        assert time.monotonic() < deadline, proc.log()
+        time.sleep(0.1)
+    health_url = f"http://127.0.0.1:{proc.port}/health"  # type: ignore[attr-defined]
+    # The key of the killed pod expires, then the restarted pod registers again.
+    restarted_after = proc.log().count(f"registered as kvferry:{SERVICE_NAME}:pod:{name}")
+    while proc.log().count(f"registered as kvferry:{SERVICE_NAME}:pod:{name}") == restarted_after:
+        assert time.monotonic() < deadline, proc.log()
+        time.sleep(0.2)
+    assert httpx.get(health_url).json()["pools"]["decode"] == sorted(pods)
+    done = client(proc.port).completions.create(model=SERVICE_NAME, prompt="Hello", max_tokens=3)  # type: ignore[attr-defined]
+    assert done.choices[0].text
