@@ -28,6 +28,7 @@ from kvferry.router.hops import (
     release,
     send_hop,
 )
+from kvferry.router.kv_events import KVEventReader
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.pods import Pod, PodDirectory
 from kvferry.router.policies import Choice, make_policy
@@ -65,7 +66,10 @@ class Router:
         self.settings = settings
         self.pods = PodDirectory(settings.redis_url, settings.service, settings.registry_poll_s)
         self.index = PrefixIndex()
+        self.kv_events = KVEventReader(settings.redis_url, settings.service, self.index)
+        self.pods.on_leave.append(self.index.forget_pod)
         self.metrics = RouterMetrics()
+        self.metrics.kv_events.set_function(lambda: self.kv_events.num_events)
         self.policies = {pool: make_policy(name, self.index)
                          for pool, name in settings.policies.items()}
         self.client = make_client(settings.timeouts)
@@ -74,8 +78,11 @@ class Router:
 
     async def start(self) -> None:
         self.pods.start()
+        if "prefix-aware" in self.settings.policies.values():
+            self.kv_events.start()
 
     async def stop(self) -> None:
+        await self.kv_events.stop()
         await self.pods.stop()
         await self.client.close()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 HOP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                30.0, 60.0, 120.0)
@@ -38,6 +38,9 @@ class RouterMetrics:
         self.predicted_hit_tokens = Counter(
             "kvferry:router_predicted_prefix_hit_tokens",
             "Prompt tokens predicted to be in the chosen pod's prefix cache", ["pool"], registry=r)
+        self.kv_events = Gauge("kvferry:router_kv_event_batches",
+                               "KV event batches (one engine step each) applied to the prefix "
+                               "index since the router started", registry=r)
         self.stream_errors = Counter("kvferry:router_stream_errors",
                                      "Answers cut off by a pod failing mid-stream", registry=r)
 

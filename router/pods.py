@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from redis.exceptions import RedisError
@@ -60,6 +61,8 @@ class PodDirectory:
         self._failed_until: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
         self.is_connected = False
+        # Called with a pod's name when it leaves (its caches are gone with it).
+        self.on_leave: list[Callable[[str], None]] = []
 
     # ------------------------------------------------------------------ reading
     def pool(self, name: str) -> list[Pod]:
@@ -103,6 +106,8 @@ class PodDirectory:
         for name in self._pods.keys() - records.keys():
             logger.info("pod %s left (%s)", name, self._pods[name].url)
             del self._pods[name]
+            for listener in self.on_leave:
+                listener(name)
         for name, record in records.items():
             pod = self._pods.get(name)
             if pod is None:

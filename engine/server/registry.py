@@ -26,11 +26,21 @@ logger = logging.getLogger("kvferry.engine.server.registry")
 # refresh (a busy event loop) does not drop it.
 REGISTRY_TTL_S = 3.0
 REFRESH_INTERVAL_S = 0.5
+# KV events go out this often (batched), so the router's prefix index lags by about this.
+EVENT_FLUSH_S = 0.1
+# The KV event stream keeps about this many batches (a router starting late replays them).
+EVENT_STREAM_MAXLEN = 100_000
 
 
 def pod_key_prefix(service: str) -> str:
     """Keys of every pod of `service` start with this."""
     return f"kvferry:{service}:pod:"
+
+
+def kv_events_key(service: str) -> str:
+    """The Redis stream of the service's KV events: entries {pod, evicted, stored}, each hash
+    list being the 32-byte hashes concatenated."""
+    return f"kvferry:{service}:kv_events"
 
 
 @dataclass(frozen=True)
@@ -92,13 +102,18 @@ class PodRegistrar:
         self.model = model
         self.block_size = block_size
         self.stats = SchedulerStats()
+        # (evicted, stored) hash batches not yet published, oldest first.
+        self._pending_events: list[tuple[list[bytes], list[bytes]]] = []
         self._redis = aioredis.from_url(settings.redis_url)
         self._task: asyncio.Task[None] | None = None
         self.key = pod_key_prefix(settings.service) + settings.pod
 
     def record_stats(self, scheduler: SchedulerStats, _iteration: object) -> None:
-        """An AsyncLLM stats listener: keeps the latest load for the next refresh."""
+        """An AsyncLLM stats listener: keeps the latest load and the step's KV events."""
         self.stats = scheduler
+        if scheduler.stored_block_hashes or scheduler.evicted_block_hashes:
+            self._pending_events.append((scheduler.evicted_block_hashes,
+                                         scheduler.stored_block_hashes))
 
     def record(self) -> PodRecord:
         s = self.settings
@@ -116,14 +131,31 @@ class PodRegistrar:
         logger.info("registered as %s (%s) in %s", self.key, self.settings.url,
                     _without_password(self.settings.redis_url))
 
+    async def publish_events(self) -> None:
+        batches, self._pending_events = self._pending_events, []
+        if not batches:
+            return
+        key = kv_events_key(self.settings.service)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for evicted, stored in batches:
+                pipe.xadd(key, {"pod": self.settings.pod, "evicted": b"".join(evicted),
+                                "stored": b"".join(stored)},
+                          maxlen=EVENT_STREAM_MAXLEN, approximate=True)
+            await pipe.execute()
+
     async def _refresh_forever(self) -> None:
+        ticks_per_refresh = round(REFRESH_INTERVAL_S / EVENT_FLUSH_S)
+        tick = 0
         while True:
             try:
-                await self.publish()
+                if tick % ticks_per_refresh == 0:
+                    await self.publish()
+                await self.publish_events()
             except (OSError, RedisError) as exc:
                 # Redis being away must not stop serving; the key comes back when it does.
                 logger.warning("pod registry: cannot reach Redis: %s", exc)
-            await asyncio.sleep(REFRESH_INTERVAL_S)
+            tick += 1
+            await asyncio.sleep(EVENT_FLUSH_S)
 
     async def stop(self) -> None:
         """Stops refreshing and deletes the key, so the router stops choosing this pod now."""

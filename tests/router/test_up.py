@@ -18,6 +18,9 @@ import pytest
 import yaml
 from procs import Proc, free_port, wait_http
 
+from kvferry.router.kv_events import split_hashes
+from kvferry.router.prefix_index import prompt_block_hashes
+
 SERVICE_NAME = "uptest"
 KV_BYTES = str(32 * 1024 * 1024)
 MODEL_FLAGS = ["--max-model-len", "1024", "--kv-cache-memory-bytes", KV_BYTES,
@@ -134,6 +137,11 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     return {pod: after.get(pod, 0.0) - before.get(pod, 0.0) for pod in after}
 
 
+def engine_waiting(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return float(re.search(r"^vllm:num_requests_waiting\{[^}]*\} (\S+)$", text, re.M).group(1))
+
+
 def test_shared_prefix_lands_on_its_holder_until_it_is_busy(up: tuple[Proc, dict[str, str]]
                                                             ) -> None:
     port = up[0].port  # type: ignore[attr-defined]
@@ -144,15 +152,55 @@ def test_shared_prefix_lands_on_its_holder_until_it_is_busy(up: tuple[Proc, dict
         c.completions.create(model=SERVICE_NAME, prompt=f"{prefix} {i}", max_tokens=2)
     sequential = delta(before, chosen(port))
     (holder,) = [pod for pod, n in sequential.items() if n == 4]
-    # Eight at once, long answers, two sequences per pod: the holder queues, the rest go on.
-    before = chosen(port)
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda i: c.completions.create(
-            model=SERVICE_NAME, prompt=f"{prefix} {i}", max_tokens=64,
-            extra_body={"ignore_eos": True}), range(8)))
-    burst = delta(before, chosen(port))
     other = next(pod for pod in up[1] if pod != holder)
-    assert burst[holder] >= 2 and burst.get(other, 0) >= 2, burst
+    # Skew: long requests sent to the holder directly queue in its engine (two run at once).
+    direct = openai.OpenAI(base_url=up[1][holder] + "/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        load = [pool.submit(direct.completions.create, model=SERVICE_NAME, prompt="busy",
+                            max_tokens=400, extra_body={"ignore_eos": True}) for _ in range(8)]
+        deadline = time.monotonic() + 30
+        while engine_waiting(up[1][holder]) < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(1.0)  # a registry refresh (0.5 s) and a router poll (0.25 s)
+        before = chosen(port)
+        for i in range(3):
+            c.completions.create(model=SERVICE_NAME, prompt=f"{prefix} busy {i}", max_tokens=2)
+        skewed = delta(before, chosen(port))
+        for future in load:
+            future.result()
+    assert skewed.get(other, 0) == 3 and skewed.get(holder, 0) == 0, skewed
+
+
+def test_engines_publish_the_prompt_block_hashes_the_router_computes(
+        up: tuple[Proc, dict[str, str]]) -> None:
+    """The KV events in Redis hold exactly the engine's hashes of the prompt's full blocks,
+    which the router computes itself from the prompt's token ids."""
+    import redis
+
+    proc, pods = up
+    redis_url = re.search(r"registered as \S+ \(\S+\) in (redis://\S+)", proc.log()).group(1)
+    prompt = "a river " * 40 + "unique tail"
+    tokens = httpx.post(f"http://127.0.0.1:{proc.port}/tokenize",  # type: ignore[attr-defined]
+                        json={"model": SERVICE_NAME, "prompt": prompt}).json()["tokens"]
+    expected = prompt_block_hashes(tokens, 16)
+    assert len(expected) == len(tokens) // 16 >= 2
+    client(proc.port).completions.create(model=SERVICE_NAME, prompt=prompt, max_tokens=1)  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 10
+    while True:
+        entries = redis.Redis.from_url(redis_url).xrange(f"kvferry:{SERVICE_NAME}:kv_events")
+        stored = {pod: set() for pod in pods}
+        for _, fields in entries:
+            stored[fields[b"pod"].decode()].update(split_hashes(fields[b"stored"]))
+        holders = [pod for pod, hashes in stored.items() if set(expected) <= hashes]
+        if holders:
+            break
+        assert time.monotonic() < deadline, "no pod published the prompt's blocks"
+        time.sleep(0.1)
+    metrics = httpx.get(f"http://127.0.0.1:{proc.port}/metrics").text  # type: ignore[attr-defined]
+    applied = re.search(r"^kvferry:router_kv_event_batches (\S+)$", metrics, re.M).group(1)
+    assert float(applied) >= 1
 
 
 def child_with_port(parent: int, port: str) -> int:
@@ -180,6 +228,8 @@ def test_up_restarts_a_dead_pod(up: tuple[Proc, dict[str, str]]) -> None:
     while proc.log().count(f"registered as kvferry:{SERVICE_NAME}:pod:{name}") == restarted_after:
         assert time.monotonic() < deadline, proc.log()
         time.sleep(0.2)
-    assert httpx.get(health_url).json()["pools"]["decode"] == sorted(pods)
+    while httpx.get(health_url).json()["pools"].get("decode") != sorted(pods):
+        assert time.monotonic() < deadline, proc.log()
+        time.sleep(0.05)
     done = client(proc.port).completions.create(model=SERVICE_NAME, prompt="Hello", max_tokens=3)  # type: ignore[attr-defined]
     assert done.choices[0].text
