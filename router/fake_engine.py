@@ -5,7 +5,8 @@
 registers in the pod registry like `kvferry serve`, and plays a prefill pod's part: given
 `kv_transfer_params: {"do_remote_decode": true}` it returns transfer params naming itself.
 `GET /fake/requests` lists the bodies it received; `POST /fake/behaviour` with
-`{"behaviour": "ok" | "refuse" | "cut"}` makes it answer 503, or cut streams after one chunk.
+`{"behaviour": "ok" | "refuse" | "cut" | "hang"}` makes it answer 503, cut streams after one
+chunk, or never answer.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class FakeEngine:
         self.name = name
         self.role = role
         self.behaviour = "ok"
+        self._behaviour_changed = asyncio.Event()
         self.received: list[dict[str, Any]] = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -49,6 +51,8 @@ class FakeEngine:
             await _send(send, 200, json.dumps(self.received).encode())
         elif path == "/fake/behaviour":
             self.behaviour = json.loads(body)["behaviour"]
+            self._behaviour_changed.set()
+            self._behaviour_changed = asyncio.Event()
             await _send(send, 200, b"{}")
         elif path == "/tokenize":
             prompt = json.loads(body).get("prompt") or ""
@@ -62,6 +66,11 @@ class FakeEngine:
     async def _generate(self, path: str, body: dict[str, Any], send: Send) -> None:
         if self.behaviour == "refuse":
             await _send(send, 503, b'{"error": {"message": "refusing"}}')
+            return
+        if self.behaviour == "hang":
+            # A stuck pod: the router's timeout must end the wait; a new behaviour ends it here.
+            await self._behaviour_changed.wait()
+            await _send(send, 503, b'{"error": {"message": "was stuck"}}')
             return
         self.received.append(body)
         chat = path.endswith("chat/completions")

@@ -197,3 +197,22 @@ def test_a_stopped_pod_leaves_the_registry_at_once(tmp_path: Path, redis_url: st
     finally:
         for proc in (a, b, router):
             proc.stop()
+
+
+def test_stuck_pods_cannot_hang_a_client(pd: dict[str, Proc], tmp_path: Path,
+                                         redis_url: str) -> None:
+    router = router_process(tmp_path, redis_url, SERVICE, "--decode-timeout", "0.5")
+    for pod in ("decode-0", "decode-1"):
+        set_behaviour(pd[pod], "hang")
+    try:
+        started = time.monotonic()
+        response = httpx.post(f"http://127.0.0.1:{router.port}/v1/completions",  # type: ignore[attr-defined]
+                              json={"model": "fake", "prompt": "p"}, timeout=30)
+        elapsed = time.monotonic() - started
+    finally:
+        for pod in ("decode-0", "decode-1"):
+            set_behaviour(pd[pod], "ok")
+        router.stop()
+    # One try and one retry, each cut off after half a second.
+    assert response.status_code == 502 and elapsed < 5, (response.status_code, elapsed)
+    assert "TimeoutError" in response.json()["error"]["message"]
