@@ -92,6 +92,8 @@ class Router:
         body.pop(KV_TRANSFER_FIELD, None)
         self._pools_seen.update(p for p, names in self.pods.pools().items() if names)
         prompt = await self._prompt(endpoint, body)
+        # An encoder hop (encoder-decoder models) goes here, before prefill: it will run the
+        # encoder pool's pod and add its own transfer params for the prefill pod to pull.
         decode = self._choose("decode", prompt)
         params = await self._maybe_prefill(endpoint, body, prompt, decode, request_id)
         if params is not None:
