@@ -110,7 +110,7 @@ class Gate:
             await _send_error(send, 400, str(exc), "invalid_json", request_id)
             return
         router.metrics.requests.labels(endpoint, str(answer.status)).inc()
-        await _send_answer(send, answer, request_id)
+        await _send_answer(send, receive, answer, request_id)
 
     async def _answer(self, endpoint: str, raw: bytes, request_id: str) -> Answer:
         if self.router.can_relay_raw(raw):
@@ -150,7 +150,7 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
     return b"".join(parts)
 
 
-async def _send_answer(send: Send, answer: Answer, request_id: str) -> None:
+async def _send_answer(send: Send, receive: Receive, answer: Answer, request_id: str) -> None:
     headers = [(b"content-type", answer.headers["content-type"].encode("latin-1")),
                (b"x-request-id", request_id.encode("latin-1"))]
     if answer.chunks is None:
@@ -160,9 +160,23 @@ async def _send_answer(send: Send, answer: Answer, request_id: str) -> None:
         await send({"type": "http.response.body", "body": body})
         return
     await send({"type": "http.response.start", "status": answer.status, "headers": headers})
-    async for chunk in answer.chunks:
-        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-    await send({"type": "http.response.body", "body": b""})
+    # A client that goes away ends the relay at the next chunk; closing the stream closes the
+    # pod's connection, and the engine aborts the request instead of generating for no one.
+    gone = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        async with contextlib.aclosing(answer.chunks) as chunks:
+            async for chunk in chunks:
+                if gone.done():
+                    return
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+    finally:
+        gone.cancel()
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _send_error(send: Send, status: int, message: str, code: str, request_id: str) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +56,7 @@ class Answer:
     status: int
     headers: dict[str, str]
     body: bytes | None = None
-    chunks: AsyncIterator[bytes] | None = None
+    chunks: AsyncGenerator[bytes, None] | None = None
 
 
 class Router:
@@ -255,7 +255,7 @@ class Router:
             return Answer(response.status, headers, body=body)
         return Answer(response.status, headers, chunks=self._stream(answer))
 
-    async def _stream(self, answer: HopResponse) -> AsyncIterator[bytes]:
+    async def _stream(self, answer: HopResponse) -> AsyncGenerator[bytes, None]:
         """The decode pod's SSE chunks as they come; an error event if it dies mid-way."""
         try:
             async for chunk in answer.response.content.iter_any():

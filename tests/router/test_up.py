@@ -203,6 +203,24 @@ def test_engines_publish_the_prompt_block_hashes_the_router_computes(
     assert float(applied) >= 1
 
 
+def test_a_client_leaving_a_stream_stops_the_generation(up: tuple[Proc, dict[str, str]]) -> None:
+    proc, pods = up
+    with httpx.stream("POST", f"http://127.0.0.1:{proc.port}/v1/completions", timeout=60,  # type: ignore[attr-defined]
+                      json={"model": SERVICE_NAME, "prompt": "leaving early", "max_tokens": 900,
+                            "ignore_eos": True, "stream": True}) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    # 900 tokens would take seconds; the abort frees both pods at once.
+    deadline = time.monotonic() + 3
+    while any(engine_running(url) for url in pods.values()):
+        assert time.monotonic() < deadline, "the engine kept generating for a gone client"
+        time.sleep(0.05)
+
+
+def engine_running(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return float(re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M).group(1))
+
 def child_with_port(parent: int, port: str) -> int:
     """The pid of `parent`'s child process whose command line has `--port <port>`."""
     children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
@@ -233,3 +251,4 @@ def test_up_restarts_a_dead_pod(up: tuple[Proc, dict[str, str]]) -> None:
         time.sleep(0.05)
     done = client(proc.port).completions.create(model=SERVICE_NAME, prompt="Hello", max_tokens=3)  # type: ignore[attr-defined]
     assert done.choices[0].text
+
