@@ -80,3 +80,27 @@ def test_killed_pod_is_retried_around_then_dropped(service: dict[str, Proc]) -> 
     before = chosen(router)["pod-a"]
     assert [complete(router).status_code for _ in range(4)] == [200] * 4
     assert chosen(router)["pod-a"] == before
+
+
+def test_an_engine_pod_registers_its_record_and_leaves_at_once_on_sigterm(
+        tmp_path: Path, redis_url: str) -> None:
+    import redis
+
+    from kvferry.engine.server.registry import PodRecord, pod_key_prefix
+
+    pod = engine_pod(tmp_path, redis_url, "pod-c")
+    key = pod_key_prefix(SERVICE) + "pod-c"
+    store = redis.Redis.from_url(redis_url)
+    try:
+        record = PodRecord.from_json(store.get(key))
+        assert (record.role, record.model, record.url, record.block_size) == (
+            "both", "demo", f"http://127.0.0.1:{pod.port}", 16)  # type: ignore[attr-defined]
+        assert (record.num_running, record.num_waiting) == (0, 0)
+        assert 0 < store.pttl(key) <= REGISTRY_TTL_S * 1000
+        pod.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 1.0  # well under the TTL: the pod deletes its key
+        while store.exists(key):
+            assert time.monotonic() < deadline, pod.log()
+            time.sleep(0.02)
+    finally:
+        pod.stop()
