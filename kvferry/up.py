@@ -14,14 +14,17 @@ import logging
 import signal
 import socket
 import sys
+import tempfile
 import time
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import yaml
 
 from kvferry.supervisor import Child, ChildSpec
+
+if TYPE_CHECKING:
+    from kvferry.operator.spec import InferenceServiceSpec
 
 logger = logging.getLogger("kvferry.up")
 
@@ -80,7 +83,8 @@ def local_model_arg(source_scheme: str, source_path: str) -> str:
                      "hostpath:///DIR or hf://ORG/NAME")
 
 
-def pod_children(spec: Any, redis_url: str, env: dict[str, str]) -> list[ChildSpec]:
+def pod_children(spec: InferenceServiceSpec, redis_url: str, env: dict[str, str]
+                 ) -> list[ChildSpec]:
     """One `kvferry serve` per replica of each pool, as the operator renders it."""
     from kvferry.operator.render_pools import serve_args
 
@@ -110,8 +114,8 @@ def _set_flag(args: list[str], flag: str, value: str) -> list[str]:
     return out
 
 
-def router_child(spec: Any, redis_url: str, host: str, port: int, env: dict[str, str]
-                 ) -> ChildSpec:
+def router_child(spec: InferenceServiceSpec, redis_url: str, host: str, port: int,
+                 env: dict[str, str]) -> ChildSpec:
     args = [sys.executable, "-m", "kvferry.engine.cli", "router", "--service", spec.name,
             "--redis", redis_url, "--host", host, "--port", str(port)]
     return ChildSpec(f"{spec.name}-router", args, env=env)
@@ -125,8 +129,7 @@ def redis_child(port: int, workdir: str) -> ChildSpec:
     return ChildSpec("redis", args)
 
 
-async def wait_ready(router_url: str, num_pods: int, timeout_s: float,
-                     children: list[Child]) -> None:
+async def wait_ready(router_url: str, num_pods: int, timeout_s: float) -> None:
     """Until the router lists every pod as live."""
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
@@ -152,7 +155,8 @@ async def answer_once(router_url: str, model: str, prompt: str, max_tokens: int)
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # One line per proxied request would cost more than the proxying itself.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from kvferry.operator.spec import SpecError, parse_spec
@@ -166,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(_up(spec, args))
 
 
-async def _up(spec: Any, args: argparse.Namespace) -> int:
+async def _up(spec: InferenceServiceSpec, args: argparse.Namespace) -> int:
     from kvferry.operator.render import render_config_map
 
     stopping = asyncio.Event()
@@ -182,8 +186,6 @@ async def _up(spec: Any, args: argparse.Namespace) -> int:
         started.append(child)
         return child
 
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="kvferry-up-") as workdir:
         redis_url = spec.redis.url
         if redis_url is None:
@@ -194,17 +196,17 @@ async def _up(spec: Any, args: argparse.Namespace) -> int:
         for pod in pods:
             start(pod)
         start(router_child(spec, redis_url, args.host, args.port, env))
-        code = await _serve(spec, args, len(pods), started, stopping)
+        code = await _serve(spec, args, len(pods), stopping)
         stopping.set()
         for child in reversed(started):  # router first, Redis last
             await child.stop(STOP_TIMEOUT_S)
     return code
 
 
-async def _serve(spec: Any, args: argparse.Namespace, num_pods: int, children: list[Child],
+async def _serve(spec: InferenceServiceSpec, args: argparse.Namespace, num_pods: int,
                  stopping: asyncio.Event) -> int:
     router_url = f"http://{args.host}:{args.port}"
-    ready = asyncio.create_task(wait_ready(router_url, num_pods, args.startup_timeout, children))
+    ready = asyncio.create_task(wait_ready(router_url, num_pods, args.startup_timeout))
     stop_wait = asyncio.create_task(stopping.wait())
     await asyncio.wait({ready, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
     if not ready.done():

@@ -61,7 +61,8 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Rou
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # One line per proxied request would cost more than the proxying itself.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:

@@ -22,6 +22,7 @@ from kvferry.engine.server.errors import error_body
 from kvferry.router.config import RouterSettings
 from kvferry.router.hops import (
     TRANSPORT_ERRORS,
+    Chooser,
     HopError,
     HopResponse,
     make_client,
@@ -117,7 +118,7 @@ class Router:
             self.metrics.predicted_hit_tokens.labels(pool).inc(choice.predicted_hit_tokens)
         return choice
 
-    def _chooser(self, pool: str, prompt: Prompt, first: Choice | None):  # type: ignore[no-untyped-def]
+    def _chooser(self, pool: str, prompt: Prompt, first: Choice | None) -> Chooser:
         """Hands out `first` once, then policy choices among the pods not tried yet."""
         pending = [first] if first is not None else []
 
