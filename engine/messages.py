@@ -83,6 +83,10 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # Block hashes the prefix cache started / stopped holding in this step (KV events;
+    # a reader applies `evicted_block_hashes` first).
+    stored_block_hashes: list[bytes] = msgspec.field(default_factory=list)
+    evicted_block_hashes: list[bytes] = msgspec.field(default_factory=list)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True):

@@ -424,6 +424,7 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         """The scheduler's state after a step, for the engine's statistics."""
         prefix = self.kv_cache_manager.prefix_cache_stats
+        stored, evicted = self.kv_cache_manager.block_pool.events.drain()
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -431,6 +432,8 @@ class Scheduler:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_preemptions=self.num_preemptions,
+            stored_block_hashes=stored,
+            evicted_block_hashes=evicted,
         )
 
 
