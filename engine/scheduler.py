@@ -256,13 +256,17 @@ class Scheduler:
                 continue
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             if new_blocks is None:
-                num_preempted = len(preempted)
+                following = self.running[index:]
                 new_blocks = self._preempt_until_fits(request, num_new, budget, preempted)
+                # Victims may sit before or after this request: go on with the first
+                # request after it that is still running (under the priority policy, one
+                # that preempted itself may be followed by requests that still fit).
+                index = next(
+                    (self.running.index(r) for r in following if r.status == RequestStatus.RUNNING),
+                    len(self.running),
+                )
                 if new_blocks is None:
-                    break  # the request preempted itself: nothing after it can run
-                # Preempting an earlier request (priority policy) shifts this one left.
-                if len(preempted) > num_preempted:
-                    index = self.running.index(request) + 1
+                    continue  # the request preempted itself
             if new_blocks:
                 budget.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
             budget.take(request, num_new)
@@ -525,6 +529,7 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         """The scheduler's state after a step, for the engine's statistics."""
         prefix = self.kv_cache_manager.prefix_cache_stats
+        stored, evicted = self.kv_cache_manager.block_pool.events.drain()
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=self.get_num_unfinished_requests() - len(self.running),
@@ -533,6 +538,8 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=self.num_preemptions,
             num_kv_transfer_fallbacks=0 if self.remote is None else self.remote.num_fallbacks,
+            stored_block_hashes=stored,
+            evicted_block_hashes=evicted,
         )
 
 

@@ -13,9 +13,13 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvferry.engine.arg_utils import add_engine_arguments, engine_config_from_args
 from kvferry.engine.kv_transfer_args import add_kv_transfer_arguments, kv_transfer_config
+
+if TYPE_CHECKING:
+    from kvferry.engine.server.registry import RegistrationSettings
 
 ROLES = ("both", "prefill", "decode", "encoder")
 KV_FAILURE_POLICIES = ("recompute", "fail")
@@ -34,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--redis", default=None, metavar="URL",
                         help="Redis of the service (pod registry, prefix index); roles other "
                              "than both use it")
+    server.add_argument("--service", default=None, metavar="NAME",
+                        help="the InferenceService this pod registers under in Redis "
+                             "(default $KVFERRY_SERVICE or 'default')")
     keys = server.add_mutually_exclusive_group()
     keys.add_argument("--api-key", default=None,
                       help="require 'Authorization: Bearer KEY' on the API "
@@ -140,6 +147,17 @@ def read_api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | 
     return environ.get("KVFERRY_API_KEY") or None
 
 
+def _registration(args: argparse.Namespace, env: PodEnvironment) -> RegistrationSettings | None:
+    """Where to announce this pod: `--redis` (else $REDIS_URL), under $KVFERRY_SERVICE."""
+    from kvferry.engine.server.registry import registration_settings
+
+    redis_url = args.redis or env.redis_url
+    if redis_url is None:
+        return None
+    return registration_settings(redis_url, args.service or env.service, args.role, args.host,
+                                 args.port, env.pod_ip)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     problem = check_supported(args)
@@ -165,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
             chat_template=args.chat_template, max_num_waiting=args.max_num_waiting,
             drain_timeout_s=args.drain_timeout, log_prompts=args.log_prompts,
             uvicorn_log_level=args.uvicorn_log_level,
+            registration=_registration(args, env),
         )
     except (OSError, ValueError) as exc:
         print(f"kvferry serve: error: {exc}", file=sys.stderr)

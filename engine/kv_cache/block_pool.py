@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvferry.engine.kv_cache.hashing import BlockHash
+from kvferry.engine.kv_cache.kv_events import KVEventLog
 
 
 @dataclass(eq=False)
@@ -88,6 +89,8 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        # What the router's prefix index learns from this pool (see kv_events.py).
+        self.events = KVEventLog()
 
     def get_num_free_blocks(self) -> int:
         return self.free_queue.num_free_blocks
@@ -133,13 +136,15 @@ class BlockPool:
         if not self.enable_caching or block.block_hash is not None:
             return
         block.block_hash = block_hash
-        self.cached_blocks.setdefault(block_hash, block)
+        if self.cached_blocks.setdefault(block_hash, block) is block:
+            self.events.record_stored(block_hash)
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
         if self.cached_blocks.get(block.block_hash) is block:
             del self.cached_blocks[block.block_hash]
+            self.events.record_evicted(block.block_hash)
         block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -148,5 +153,7 @@ class BlockPool:
             return False
         for block in self.blocks:
             block.block_hash = None
+        for block_hash in self.cached_blocks:
+            self.events.record_evicted(block_hash)
         self.cached_blocks.clear()
         return True

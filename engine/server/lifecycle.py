@@ -18,7 +18,7 @@ import logging
 import signal
 from collections.abc import Coroutine
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -26,6 +26,10 @@ from starlette.types import ASGIApp
 from kvferry.engine.config import EngineConfig
 from kvferry.engine.server.chat_template import compile_template, load_chat_template
 from kvferry.engine.server.state import Phase, ServerSettings, ServerState
+
+if TYPE_CHECKING:
+    from kvferry.engine.async_llm import AsyncLLM
+    from kvferry.engine.server.registry import PodRegistrar
 
 logger = logging.getLogger("kvferry.engine.server")
 
@@ -64,6 +68,7 @@ class Lifecycle:
         self.is_stopping = False
         self._load_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self.registrar: PodRegistrar | None = None
 
     # ---------------------------------------------------------------- loading
     async def load_engine(self) -> None:
@@ -90,8 +95,24 @@ class Lifecycle:
         engine.add_dead_listener(lambda error: self._fail(str(error)))
         if state.phase is Phase.LOADING:
             state.phase = Phase.READY
+            self._register(engine, info.block_size)
             logger.info("serving %s on http://%s:%d", engine.served_model_name,
                         state.settings.host, state.settings.port)
+
+    def _register(self, engine: AsyncLLM, block_size: int) -> None:
+        registration = self.state.settings.registration
+        if registration is None:
+            return
+        from kvferry.engine.server.registry import PodRegistrar
+
+        self.registrar = PodRegistrar(registration, engine.served_model_name, block_size)
+        engine.add_stats_listener(self.registrar.record_stats)
+        self.registrar.start()
+
+    async def _deregister(self) -> None:
+        registrar, self.registrar = self.registrar, None
+        if registrar is not None:
+            await registrar.stop()
 
     # ---------------------------------------------------------------- drain and death
     def on_signal(self, sig: signal.Signals) -> None:
@@ -105,6 +126,8 @@ class Lifecycle:
         self._spawn(self._drain())
 
     async def _drain(self) -> None:
+        # Leave the registry first, so the router sends nothing new while in-flight finish.
+        await self._deregister()
         timeout = self.state.settings.drain_timeout_s
         try:
             await asyncio.wait_for(self.state.idle.wait(), timeout)
@@ -119,6 +142,7 @@ class Lifecycle:
         self.state.phase = Phase.DEAD
         self.exit_code = EXIT_FAILED
         self.is_stopping = True
+        self._spawn(self._deregister())
         self.loop.call_later(DEATH_GRACE_S, self._stop_server)
 
     def _stop_server(self) -> None:
@@ -153,6 +177,7 @@ class Lifecycle:
         return self.exit_code
 
     async def _shutdown_engine(self) -> None:
+        await self._deregister()
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

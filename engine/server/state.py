@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvferry.engine.async_llm import AsyncLLM
+    from kvferry.engine.server.registry import RegistrationSettings
     from kvferry.engine.server.metrics import EngineMetrics
 
 
@@ -29,6 +30,8 @@ class ServerSettings:
     # Put prompt text in the per-request log lines.
     log_prompts: bool = False
     uvicorn_log_level: str = "warning"
+    # `--redis`: announce this pod in the service's pod registry; None: do not.
+    registration: RegistrationSettings | None = None
 
 
 class Phase(enum.Enum):

@@ -746,3 +746,23 @@ def test_make_stats_reports_running_waiting_and_usage() -> None:
     scheduler.schedule()
     stats = scheduler.make_stats()
     assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage) == (1, 1, 0.5)
+
+
+def test_a_request_that_preempts_itself_does_not_stop_those_after_it() -> None:
+    # Two usable blocks of 4. `low` needs a third block and is the priority policy's victim;
+    # `high`, after it in running order, still fits its own block and must run this step.
+    scheduler = make_scheduler(num_blocks=3, max_model_len=8, policy="priority")
+    low = make_request("low", 3, start=100, priority=1, arrival_time=0.0)
+    scheduler.add_request(low)
+    sample(scheduler, scheduler.schedule(), {"low": 10})
+    scheduler.add_request(make_request("high", 3, start=200, priority=0, arrival_time=1.0))
+    out = scheduler.schedule()
+    sample(scheduler, out, {"low": 11, "high": 20})
+    assert [r.request_id for r in scheduler.running] == ["low", "high"]
+
+    out = scheduler.schedule()
+    assert out.preempted_req_ids == {"low"}
+    assert out.num_scheduled_tokens == {"high": 1}
+    assert cached_reqs(out) == [("high", [], 3)]
+    drain(scheduler)
+    assert_all_blocks_free(scheduler)

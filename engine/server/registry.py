@@ -1,0 +1,177 @@
+"""The pod registry: an engine pod announces itself and its load in Redis for the router.
+
+Each pod owns one key, `kvferry:<service>:pod:<pod>`, holding a JSON `PodRecord`. The key
+has a short TTL that the pod refreshes, so a pod that dies without a word disappears from
+the router's view within one TTL; a pod that stops cleanly deletes its key at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+
+from redis.exceptions import RedisError
+
+from kvferry.engine.messages import SchedulerStats
+
+logger = logging.getLogger("kvferry.engine.server.registry")
+
+# A pod missing for this long is gone; it refreshes several times per TTL so that one slow
+# refresh (a busy event loop) does not drop it.
+REGISTRY_TTL_S = 3.0
+REFRESH_INTERVAL_S = 0.5
+# KV events go out this often (batched), so the router's prefix index lags by about this.
+EVENT_FLUSH_S = 0.1
+# The KV event stream keeps about this many batches (a router starting late replays them).
+EVENT_STREAM_MAXLEN = 100_000
+
+
+def pod_key_prefix(service: str) -> str:
+    """Keys of every pod of `service` start with this."""
+    return f"kvferry:{service}:pod:"
+
+
+def kv_events_key(service: str) -> str:
+    """The Redis stream of the service's KV events: entries {pod, evicted, stored}, each hash
+    list being the 32-byte hashes concatenated."""
+    return f"kvferry:{service}:kv_events"
+
+
+@dataclass(frozen=True)
+class PodRecord:
+    """What the router knows of one engine pod (the JSON value of its registry key)."""
+
+    pod: str  # unique name of the pod (its hostname in Kubernetes)
+    service: str  # the InferenceService it serves
+    role: str  # both | prefill | decode | encoder
+    model: str  # the served model name clients send
+    url: str  # base URL of its OpenAI server, e.g. http://10.0.0.7:8000
+    block_size: int  # tokens per KV block (the router hashes prompts with it)
+    num_running: int  # requests the scheduler runs now
+    num_waiting: int  # requests queued for the scheduler
+    kv_cache_usage: float  # fraction of KV blocks in use, 0.0 - 1.0
+    updated_at: float  # time.time() of this record
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> PodRecord:
+        """Parses a registry value; ValueError when it is not a pod record."""
+        try:
+            fields = json.loads(raw)
+            return cls(**fields)
+        except (TypeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"not a pod record: {exc}") from None
+
+
+@dataclass(frozen=True)
+class RegistrationSettings:
+    """How `kvferry serve --redis URL` registers its pod."""
+
+    redis_url: str
+    service: str
+    role: str
+    pod: str
+    url: str  # the address other pods and the router reach this server at
+
+
+def registration_settings(redis_url: str, service: str | None, role: str, host: str,
+                          port: int, pod_ip: str | None) -> RegistrationSettings:
+    """The pod's name is its hostname plus port (unique on one machine under `kvferry up`);
+    the advertised address is POD_IP, else the listen host unless it is a wildcard."""
+    advertise = pod_ip or (host if host not in ("0.0.0.0", "::", "") else "127.0.0.1")
+    pod = os.environ.get("KVFERRY_POD_NAME") or f"{socket.gethostname()}-{port}"
+    return RegistrationSettings(redis_url=redis_url, service=service or "default", role=role,
+                                pod=pod, url=f"http://{advertise}:{port}")
+
+
+class PodRegistrar:
+    """Keeps this pod's registry key alive while the server serves."""
+
+    def __init__(self, settings: RegistrationSettings, model: str, block_size: int) -> None:
+        import redis.asyncio as aioredis
+
+        self.settings = settings
+        self.model = model
+        self.block_size = block_size
+        self.stats = SchedulerStats()
+        # (evicted, stored) hash batches not yet published, oldest first.
+        self._pending_events: list[tuple[list[bytes], list[bytes]]] = []
+        self._redis = aioredis.from_url(settings.redis_url)
+        self._task: asyncio.Task[None] | None = None
+        self.key = pod_key_prefix(settings.service) + settings.pod
+
+    def record_stats(self, scheduler: SchedulerStats, _iteration: object) -> None:
+        """An AsyncLLM stats listener: keeps the latest load and the step's KV events."""
+        self.stats = scheduler
+        if scheduler.stored_block_hashes or scheduler.evicted_block_hashes:
+            self._pending_events.append((scheduler.evicted_block_hashes,
+                                         scheduler.stored_block_hashes))
+
+    def record(self) -> PodRecord:
+        s = self.settings
+        return PodRecord(pod=s.pod, service=s.service, role=s.role, model=self.model, url=s.url,
+                         block_size=self.block_size, num_running=self.stats.num_running_reqs,
+                         num_waiting=self.stats.num_waiting_reqs,
+                         kv_cache_usage=self.stats.kv_cache_usage, updated_at=time.time())
+
+    async def publish(self) -> None:
+        ttl_ms = int(REGISTRY_TTL_S * 1000)
+        await self._redis.set(self.key, self.record().to_json(), px=ttl_ms)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._refresh_forever())
+        logger.info("registered as %s (%s) in %s", self.key, self.settings.url,
+                    _without_password(self.settings.redis_url))
+
+    async def publish_events(self) -> None:
+        batches, self._pending_events = self._pending_events, []
+        if not batches:
+            return
+        key = kv_events_key(self.settings.service)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for evicted, stored in batches:
+                pipe.xadd(key, {"pod": self.settings.pod, "evicted": b"".join(evicted),
+                                "stored": b"".join(stored)},
+                          maxlen=EVENT_STREAM_MAXLEN, approximate=True)
+            await pipe.execute()
+
+    async def _refresh_forever(self) -> None:
+        ticks_per_refresh = round(REFRESH_INTERVAL_S / EVENT_FLUSH_S)
+        tick = 0
+        while True:
+            try:
+                if tick % ticks_per_refresh == 0:
+                    await self.publish()
+                await self.publish_events()
+            except (OSError, RedisError) as exc:
+                # Redis being away must not stop serving; the key comes back when it does.
+                logger.warning("pod registry: cannot reach Redis: %s", exc)
+            tick += 1
+            await asyncio.sleep(EVENT_FLUSH_S)
+
+    async def stop(self) -> None:
+        """Stops refreshing and deletes the key, so the router stops choosing this pod now."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        try:
+            await self._redis.delete(self.key)
+        except (OSError, RedisError) as exc:  # the TTL removes the key anyway
+            logger.warning("pod registry: could not remove %s: %s", self.key, exc)
+        await self._redis.aclose()
+
+
+def _without_password(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if "@" not in rest:
+        return url
+    return f"{scheme}{sep}***@{rest.split('@', 1)[1]}"

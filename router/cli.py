@@ -1,0 +1,75 @@
+"""`kvferry router`: the ingress of one InferenceService.
+
+The operator renders `kvferry router --service NAME --redis URL --host H --port P
+[--api-key-file F]` with the service's ConfigMap (KVFERRY_ROUTING_<POOL>, ...) and
+REDIS_URL or REDIS_PASSWORD in the environment; all of it is accepted here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from kvferry.router.config import HopTimeouts, RouterSettings, policies_from_env, read_api_keys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--service", default=os.environ.get("KVFERRY_SERVICE") or None,
+                        help="the InferenceService whose pods to route to "
+                             "(default $KVFERRY_SERVICE)")
+    parser.add_argument("--redis", default=None, metavar="URL",
+                        help="Redis holding the pod registry (default $REDIS_URL)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key-file", default=None, metavar="FILE",
+                        help="accepted API keys, one per line (a mounted Secret)")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="an accepted API key (repeatable; default $KVFERRY_API_KEY)")
+    parser.add_argument("--prefill-threshold", type=int, default=256, metavar="TOKENS",
+                        help="skip the prefill hop when fewer prompt tokens than this are not "
+                             "cached on the decode pod")
+    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    parser.add_argument("--connect-timeout", type=float, default=2.0, metavar="S")
+    parser.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S")
+    parser.add_argument("--decode-timeout", type=float, default=120.0, metavar="S",
+                        help="longest wait for the next chunk of a decode answer")
+    parser.add_argument("--uvicorn-log-level", default="warning",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> RouterSettings:
+    """ValueError or OSError name what is wrong."""
+    if not args.service:
+        raise ValueError("--service (or $KVFERRY_SERVICE) is required")
+    redis_url = args.redis or environ.get("REDIS_URL")
+    if not redis_url:
+        raise ValueError("--redis (or $REDIS_URL) is required")
+    keys: set[str] = set(args.api_key or ())
+    if args.api_key_file is not None:
+        keys |= read_api_keys(args.api_key_file)
+    if not keys and environ.get("KVFERRY_API_KEY"):
+        keys.add(environ["KVFERRY_API_KEY"])
+    return RouterSettings(
+        service=args.service, redis_url=redis_url, host=args.host, port=args.port,
+        api_keys=frozenset(keys), policies=policies_from_env(environ),
+        prefill_threshold_tokens=args.prefill_threshold, max_body_bytes=args.max_body_bytes,
+        timeouts=HopTimeouts(args.connect_timeout, args.prefill_timeout, args.decode_timeout),
+        uvicorn_log_level=args.uvicorn_log_level,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # One line per proxied request would cost more than the proxying itself.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        settings = settings_from_args(args, dict(os.environ))
+    except (OSError, ValueError) as exc:
+        print(f"kvferry router: error: {exc}", file=sys.stderr)
+        return 2
+    from kvferry.router.app import serve
+
+    return serve(settings)

@@ -1,0 +1,78 @@
+"""The router's settings, from its command line and the environment the operator renders."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+POLICIES = ("round-robin", "least-loaded", "prefix-aware")
+POOLS = ("encoder", "prefill", "decode")
+DEFAULT_POLICIES = {"encoder": "least-loaded", "prefill": "prefix-aware", "decode": "least-loaded"}
+
+
+@dataclass(frozen=True)
+class HopTimeouts:
+    """Seconds each hop may take, so the router never hangs a client on a stuck pod."""
+
+    connect_s: float = 2.0  # opening a connection to a pod
+    prefill_s: float = 120.0  # the whole prefill hop (one token)
+    # Between two chunks of a decode answer (and before its headers).
+    decode_read_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("connect_s", "prefill_s", "decode_read_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"HopTimeouts.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """What `kvferry router` runs with."""
+
+    service: str  # the InferenceService whose pods it finds in Redis
+    redis_url: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Accepted `Authorization: Bearer` keys; empty: no key needed.
+    api_keys: frozenset[str] = frozenset()
+    # pool -> policy (round-robin | least-loaded | prefix-aware)
+    policies: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_POLICIES))
+    # Skip the prefill hop when fewer prompt tokens than this are not cached on the decode pod.
+    prefill_threshold_tokens: int = 256
+    max_body_bytes: int = 8 * 1024 * 1024
+    timeouts: HopTimeouts = field(default_factory=HopTimeouts)
+    # How often the router rereads the pod registry.
+    registry_poll_s: float = 0.25
+    uvicorn_log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        for pool, policy in self.policies.items():
+            if pool not in POOLS:
+                raise ValueError(f"routing: unknown pool {pool!r}; pools are {', '.join(POOLS)}")
+            if policy not in POLICIES:
+                raise ValueError(f"KVFERRY_ROUTING_{pool.upper()} must be one of "
+                                 f"{', '.join(POLICIES)}, got {policy!r}")
+        if self.prefill_threshold_tokens < 0:
+            raise ValueError(f"--prefill-threshold must be >= 0, got "
+                             f"{self.prefill_threshold_tokens}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+
+
+def policies_from_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """Per-pool policies: KVFERRY_ROUTING_<POOL> where set, the CRD's defaults elsewhere."""
+    policies = dict(DEFAULT_POLICIES)
+    for pool in POOLS:
+        value = environ.get(f"KVFERRY_ROUTING_{pool.upper()}")
+        if value:
+            policies[pool] = value
+    return policies
+
+
+def read_api_keys(path: str) -> frozenset[str]:
+    """Keys from a file: one per line (a Secret holding one key is a one-line file)."""
+    with open(path, encoding="utf-8") as f:
+        keys = frozenset(line.strip() for line in f if line.strip())
+    if not keys:
+        raise ValueError(f"--api-key-file {path} holds no key")
+    return keys

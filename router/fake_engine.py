@@ -1,0 +1,158 @@
+"""A stand-in engine pod that answers at once, for measuring and testing the router alone.
+
+`python -m kvferry.router.fake_engine --port P [--role R --redis URL --service S]` serves
+/v1/completions and /v1/chat/completions (streamed or not) with a fixed three-token answer,
+registers in the pod registry like `kvferry serve`, and plays a prefill pod's part: given
+`kv_transfer_params: {"do_remote_decode": true}` it returns transfer params naming itself.
+`GET /fake/requests` lists the bodies it received; `POST /fake/behaviour` with
+`{"behaviour": "ok" | "refuse" | "cut" | "hang"}` makes it answer 503, cut streams after one
+chunk, or never answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+from typing import Any
+
+import uvicorn
+from starlette.types import Receive, Scope, Send
+
+TOKENS = (" a", " b", " c")
+
+
+class FakeEngine:
+    """A raw ASGI app (no framework) so its own cost stays far below the router's."""
+
+    def __init__(self, name: str, role: str) -> None:
+        self.name = name
+        self.role = role
+        self.behaviour = "ok"
+        self._behaviour_changed = asyncio.Event()
+        self.received: list[dict[str, Any]] = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        await self._route(scope["method"], scope["path"], body, send)
+
+    async def _route(self, method: str, path: str, body: bytes, send: Send) -> None:
+        if path in ("/health", "/ping"):
+            await _send(send, 200, b"", "text/plain")
+        elif path == "/fake/requests":
+            await _send(send, 200, json.dumps(self.received).encode())
+        elif path == "/fake/behaviour":
+            self.behaviour = json.loads(body)["behaviour"]
+            self._behaviour_changed.set()
+            self._behaviour_changed = asyncio.Event()
+            await _send(send, 200, b"{}")
+        elif path == "/tokenize":
+            prompt = json.loads(body).get("prompt") or ""
+            tokens = [len(word) for word in str(prompt).split()]
+            await _send(send, 200, json.dumps({"tokens": tokens, "count": len(tokens)}).encode())
+        elif path in ("/v1/completions", "/v1/chat/completions"):
+            await self._generate(path, json.loads(body), send)
+        else:
+            await _send(send, 404, b'{"error": {"message": "not found"}}')
+
+    async def _generate(self, path: str, body: dict[str, Any], send: Send) -> None:
+        if self.behaviour == "refuse":
+            await _send(send, 503, b'{"error": {"message": "refusing"}}')
+            return
+        if self.behaviour == "hang":
+            # A stuck pod: the router's timeout must end the wait; a new behaviour ends it here.
+            await self._behaviour_changed.wait()
+            await _send(send, 503, b'{"error": {"message": "was stuck"}}')
+            return
+        self.received.append(body)
+        chat = path.endswith("chat/completions")
+        if body.get("stream"):
+            await self._stream(chat, send)
+            return
+        await _send(send, 200, json.dumps(self._whole(chat, body)).encode())
+
+    def _whole(self, chat: bool, body: dict[str, Any]) -> dict[str, Any]:
+        remote = (body.get("kv_transfer_params") or {}).get("do_remote_decode")
+        text = "".join(TOKENS[:1] if remote else TOKENS)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        answer: dict[str, Any] = {
+            "id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion",
+            "created": 0, "model": "fake", "choices": [choice],
+            "usage": {"prompt_tokens": 4, "completion_tokens": len(text.split()),
+                      "total_tokens": 4 + len(text.split())},
+        }
+        if remote:
+            answer["kv_transfer_params"] = {
+                "do_remote_prefill": True, "remote_engine_id": self.name,
+                "remote_block_ids": [1, 2], "remote_request_id": "fake",
+                "remote_host": "127.0.0.1", "remote_port": 1}
+        return answer
+
+    async def _stream(self, chat: bool, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for i, token in enumerate(TOKENS):
+            if self.behaviour == "cut" and i == 1:
+                raise ConnectionError("fake engine cut the stream")  # uvicorn drops the socket
+            delta = {"delta": {"content": token}} if chat else {"text": token}
+            chunk = {"id": "cmpl-fake", "choices": [{"index": 0, **delta}]}
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": b"data: " + json.dumps(chunk).encode() + b"\n\n"})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+async def _send(send: Send, status: int, body: bytes, content_type: str = "application/json"
+                ) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type.encode()),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _main(args: argparse.Namespace) -> None:
+    app = FakeEngine(args.name or os.environ.get("KVFERRY_POD_NAME") or f"fake-{args.port}",
+                     args.role)
+    registrar = None
+    if args.redis:
+        from kvferry.engine.server.registry import PodRegistrar, registration_settings
+
+        settings = registration_settings(args.redis, args.service, args.role, args.host,
+                                         args.port, None)
+        registrar = PodRegistrar(settings, "fake", block_size=16)
+        registrar.start()
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            access_log=False, lifespan="off")
+    try:
+        from kvferry.router.app import CleanExitServer
+
+        await CleanExitServer(config).serve()
+    finally:
+        if registrar is not None:
+            await registrar.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--role", default="both")
+    parser.add_argument("--name", default=None)
+    parser.add_argument("--redis", default=None)
+    parser.add_argument("--service", default="default")
+    asyncio.run(_main(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

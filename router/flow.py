@@ -1,0 +1,300 @@
+"""A generation request's way through the pools: (encode) -> prefill -> decode.
+
+The client sees one request. With a prefill pool, the prompt is first sent to a prefill pod
+with `kv_transfer_params: {"do_remote_decode": true}`, one token and no streaming; the
+params it returns go with the original request to a decode pod, which pulls the KV blocks
+and answers (its answer holds the first token once and the whole request's usage). The
+prefill hop is skipped when the decode pod would compute only a short uncached part of
+the prompt itself, and when the prefill pool is down or fails (counted as a fallback).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from kvferry.engine.server.errors import error_body
+from kvferry.router.config import RouterSettings
+from kvferry.router.hops import (
+    TRANSPORT_ERRORS,
+    Chooser,
+    HopError,
+    HopResponse,
+    make_client,
+    release,
+    send_hop,
+)
+from kvferry.router.kv_events import KVEventReader
+from kvferry.router.metrics import RouterMetrics
+from kvferry.router.pods import Pod, PodDirectory
+from kvferry.router.policies import Choice, make_policy
+from kvferry.router.prefix_index import PrefixIndex, prompt_block_hashes
+
+logger = logging.getLogger("kvferry.router")
+
+# A client may not steer KV transfer: the router sets this field itself, or drops it.
+KV_TRANSFER_FIELD = "kv_transfer_params"
+TOKENIZE_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Prompt:
+    """What the router knows of a request's prompt before choosing pods."""
+
+    token_ids: list[int] | None  # None: not tokenized (no policy needs it)
+    block_hashes: list[bytes] | None  # the engine's hashes of its full blocks
+
+
+@dataclass
+class Answer:
+    """What goes back to the client: a whole body, or a stream of SSE chunks."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes | None = None
+    chunks: AsyncGenerator[bytes, None] | None = None
+
+
+class Router:
+    """Shared by the routes: pods, policies, the prefix index, metrics and the HTTP client."""
+
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self.pods = PodDirectory(settings.redis_url, settings.service, settings.registry_poll_s)
+        self.index = PrefixIndex()
+        self.kv_events = KVEventReader(settings.redis_url, settings.service, self.index)
+        self.pods.on_leave.append(self.index.forget_pod)
+        self.metrics = RouterMetrics()
+        self.metrics.kv_events.set_function(lambda: self.kv_events.num_events)
+        self.policies = {pool: make_policy(name, self.index)
+                         for pool, name in settings.policies.items()}
+        self.client = make_client(settings.timeouts)
+        # Pools that had live pods once: an empty prefill pool then means "down".
+        self._pools_seen: set[str] = set()
+
+    async def start(self) -> None:
+        self.pods.start()
+        if "prefix-aware" in self.settings.policies.values():
+            self.kv_events.start()
+
+    async def stop(self) -> None:
+        await self.kv_events.stop()
+        await self.pods.stop()
+        await self.client.close()
+
+    # ------------------------------------------------------------------ the whole request
+    async def generate(self, endpoint: str, body: dict[str, Any], request_id: str) -> Answer:
+        """Runs one /v1/completions or /v1/chat/completions request through the pools."""
+        body.pop(KV_TRANSFER_FIELD, None)
+        self._pools_seen.update(p for p, names in self.pods.pools().items() if names)
+        prompt = await self._prompt(endpoint, body)
+        # An encoder hop (encoder-decoder models) goes here, before prefill: it will run the
+        # encoder pool's pod and add its own transfer params for the prefill pod to pull.
+        decode = self._choose("decode", prompt)
+        params = await self._maybe_prefill(endpoint, body, prompt, decode, request_id)
+        if params is not None:
+            body = {**body, KV_TRANSFER_FIELD: params}
+        answer = await self._decode(endpoint, body, prompt, decode, request_id)
+        return answer
+
+    # ------------------------------------------------------------------ choosing pods
+    def _choose(self, pool: str, prompt: Prompt) -> Choice | None:
+        """The policy's first choice in `pool` (None when the pool is empty)."""
+        pods = self.pods.pool(pool)
+        if not pods:
+            return None
+        return self._policy_choice(pool, pods, prompt)
+
+    def _policy_choice(self, pool: str, pods: list[Pod], prompt: Prompt) -> Choice:
+        policy = self.policies.get(pool) or self.policies["decode"]
+        choice = policy.choose(pods, prompt.block_hashes)
+        self.metrics.pod_chosen.labels(pool, policy.name, choice.pod.name).inc()
+        if choice.predicted_hit_tokens:
+            self.metrics.predicted_hit_tokens.labels(pool).inc(choice.predicted_hit_tokens)
+        return choice
+
+    def _chooser(self, pool: str, prompt: Prompt, first: Choice | None) -> Chooser:
+        """Hands out `first` once, then policy choices among the pods not tried yet."""
+        pending = [first] if first is not None else []
+
+        def choose(candidates: list[Pod]) -> Choice:
+            if pending and pending[0].pod in candidates:
+                return pending.pop()
+            pending.clear()
+            return self._policy_choice(pool, candidates, prompt)
+
+        return choose
+
+    # ------------------------------------------------------------------ the prompt
+    def _needs_tokens(self) -> bool:
+        has_prefill = bool(self.pods.pool("prefill"))
+        prefix_decode = self.settings.policies.get("decode") == "prefix-aware"
+        return has_prefill or prefix_decode
+
+    async def _prompt(self, endpoint: str, body: dict[str, Any]) -> Prompt:
+        if not self._needs_tokens():
+            return Prompt(None, None)
+        token_ids = await self._tokenize(endpoint, body)
+        if token_ids is None:
+            return Prompt(None, None)
+        block_size = self._block_size()
+        hashes = prompt_block_hashes(token_ids, block_size) if block_size else None
+        return Prompt(token_ids, hashes)
+
+    def _block_size(self) -> int | None:
+        pods = self.pods.pool("decode") or self.pods.pool("prefill")
+        return pods[0].record.block_size if pods else None
+
+    async def _tokenize(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+        """The prompt's token ids, from a pod's /tokenize (the engine's own tokenizer and
+        chat template); None when the prompt is not one text (the engine judges it)."""
+        query = _tokenize_query(endpoint, body)
+        if isinstance(query, list):
+            return query
+        pods = self.pods.pool("decode") or self.pods.pool("prefill")
+        if query is None or not pods:
+            return None
+        pod = min(pods, key=lambda p: p.num_routed)
+        try:
+            async with self.client.post(pod.url + "/tokenize", json=query,
+                                        timeout=aiohttp.ClientTimeout(TOKENIZE_TIMEOUT_S)) as r:
+                if r.status != 200:
+                    return None  # the engine gives the client the same 400 on the real hop
+                tokens = (await r.json()).get("tokens")
+        except (*TRANSPORT_ERRORS, ValueError) as exc:
+            logger.warning("tokenize on %s failed: %s", pod.name, exc)
+            return None
+        return tokens if isinstance(tokens, list) else None
+
+    # ------------------------------------------------------------------ prefill
+    async def _maybe_prefill(self, endpoint: str, body: dict[str, Any], prompt: Prompt,
+                             decode: Choice | None, request_id: str) -> dict[str, Any] | None:
+        """Runs the prefill hop when it pays; its kv_transfer_params, or None to let the
+        decode pod compute the prompt itself."""
+        if not self.pods.pool("prefill"):
+            if "prefill" in self._pools_seen:
+                self.metrics.prefill_fallbacks.labels("no_live_prefill_pod").inc()
+            return None
+        if self._is_short(prompt, decode):
+            self.metrics.prefill_skips.inc()
+            return None
+        try:
+            return await self._prefill(endpoint, body, prompt, request_id)
+        except HopError as exc:
+            logger.warning("request %s: prefill failed, decoding without it: %s", request_id, exc)
+            self.metrics.prefill_fallbacks.labels("prefill_failed").inc()
+            return None
+
+    def _is_short(self, prompt: Prompt, decode: Choice | None) -> bool:
+        if prompt.token_ids is None:
+            return False
+        cached = decode.predicted_hit_tokens if decode is not None else 0
+        return len(prompt.token_ids) - cached < self.settings.prefill_threshold_tokens
+
+    async def _prefill(self, endpoint: str, body: dict[str, Any], prompt: Prompt,
+                       request_id: str) -> dict[str, Any] | None:
+        prefill_body = {**body, KV_TRANSFER_FIELD: {"do_remote_decode": True}, "max_tokens": 1,
+                        "stream": False}
+        prefill_body.pop("stream_options", None)
+        if "max_completion_tokens" in prefill_body:
+            prefill_body["max_completion_tokens"] = 1
+        timeouts = self.settings.timeouts
+        timeout = aiohttp.ClientTimeout(total=timeouts.prefill_s, sock_connect=timeouts.connect_s)
+        answer = await send_hop(self.client, self.pods, self.metrics, "prefill", "prefill",
+                                self._chooser("prefill", prompt, None), endpoint,
+                                _dumps(prefill_body), _headers(request_id), timeout)
+        try:
+            raw = await answer.response.read()
+        except TRANSPORT_ERRORS as exc:
+            raise HopError(f"prefill pod {answer.pod.name} failed mid-answer: {exc}") from None
+        finally:
+            release(answer)
+        self._remember(answer.pod.name, prompt)
+        if answer.response.status != 200:
+            raise HopError(f"prefill pod {answer.pod.name} answered "
+                           f"{answer.response.status}: {raw[:200]!r}")
+        params = json.loads(raw).get(KV_TRANSFER_FIELD)
+        if not isinstance(params, dict):
+            raise HopError(f"prefill pod {answer.pod.name} returned no {KV_TRANSFER_FIELD}")
+        return params
+
+    # ------------------------------------------------------------------ decode
+    async def _decode(self, endpoint: str, body: dict[str, Any], prompt: Prompt,
+                      first: Choice | None, request_id: str) -> Answer:
+        answer = await send_hop(self.client, self.pods, self.metrics, "decode", "decode",
+                                self._chooser("decode", prompt, first), endpoint, _dumps(body),
+                                _headers(request_id))
+        self._remember(answer.pod.name, prompt)
+        return await self._relay(answer)
+
+    async def relay_raw(self, endpoint: str, raw: bytes, request_id: str) -> Answer:
+        """Plain proxying (one `both` pool, nothing to choose by prompt): the body as sent."""
+        answer = await send_hop(self.client, self.pods, self.metrics, "decode", "decode",
+                                self._chooser("decode", Prompt(None, None), None), endpoint, raw,
+                                _headers(request_id))
+        return await self._relay(answer)
+
+    def can_relay_raw(self, raw: bytes) -> bool:
+        """True when the body can go to a decode pod untouched (the fast path)."""
+        return KV_TRANSFER_FIELD.encode() not in raw and not self._needs_tokens()
+
+    async def _relay(self, answer: HopResponse) -> Answer:
+        response = answer.response
+        headers = {"content-type": response.headers.get("content-type", "application/json")}
+        if not headers["content-type"].startswith("text/event-stream"):
+            try:
+                body = await response.read()
+            except TRANSPORT_ERRORS as exc:
+                raise HopError(f"decode pod {answer.pod.name} failed mid-answer: {exc}") from None
+            finally:
+                release(answer)
+            return Answer(response.status, headers, body=body)
+        return Answer(response.status, headers, chunks=self._stream(answer))
+
+    async def _stream(self, answer: HopResponse) -> AsyncGenerator[bytes, None]:
+        """The decode pod's SSE chunks as they come; an error event if it dies mid-way."""
+        try:
+            async for chunk in answer.response.content.iter_any():
+                yield chunk
+        except TRANSPORT_ERRORS as exc:
+            self.metrics.stream_errors.inc()
+            logger.warning("decode pod %s failed mid-stream: %s", answer.pod.name, exc)
+            error = error_body(502, f"the decode pod failed mid-answer: {type(exc).__name__}",
+                               code="bad_gateway")
+            yield b"data: " + _dumps(error) + b"\n\ndata: [DONE]\n\n"
+        finally:
+            release(answer)
+
+    def _remember(self, pod: str, prompt: Prompt) -> None:
+        """The pod that computed this prompt now caches its full blocks."""
+        if prompt.block_hashes:
+            self.index.stored(pod, prompt.block_hashes)
+
+
+def _tokenize_query(endpoint: str, body: dict[str, Any]) -> dict[str, Any] | list[int] | None:
+    """The /tokenize body for the request's prompt, its token ids when given, or None."""
+    model = body.get("model")
+    if endpoint.endswith("/chat/completions"):
+        messages = body.get("messages")
+        return {"model": model, "messages": messages} if isinstance(messages, list) else None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return {"model": model, "prompt": prompt}
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return list(prompt)
+    return None
+
+
+def _headers(request_id: str) -> dict[str, str]:
+    return {"content-type": "application/json", "x-request-id": request_id}
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()

@@ -1,0 +1,123 @@
+"""Sending one hop of a request to a pod, with one retry on another pod of the same pool.
+
+A hop is retried when its pod refuses the connection, times out before answering, or
+answers 429/5xx: in each case the client has seen nothing yet. Once the answer's headers
+are in, the router is committed to that pod.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from kvferry.router.config import HopTimeouts
+from kvferry.router.metrics import RouterMetrics
+from kvferry.router.pods import Pod, PodDirectory
+from kvferry.router.policies import Choice
+
+# Statuses that mean "this pod cannot take it now", not "this request is wrong".
+RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
+class HopError(Exception):
+    """A hop failed on every pod it was tried on; `status` is what the client gets."""
+
+    def __init__(self, message: str, status: int = 502, code: str = "bad_gateway") -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+@dataclass
+class HopResponse:
+    """An answer whose headers are in; `response` may still be streaming its body."""
+
+    pod: Pod
+    response: aiohttp.ClientResponse
+    choice: Choice
+
+
+# What a pod that is down or stuck raises: refused/reset connections, timeouts.
+TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
+
+
+def make_client(timeouts: HopTimeouts) -> aiohttp.ClientSession:
+    """One pooled client for every pod: keep-alive connections, no global request limit.
+    (aiohttp: at hundreds of concurrent streams it costs a fraction of httpx's CPU.)"""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, ttl_dns_cache=None)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s,
+                                    sock_read=timeouts.decode_read_s)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
+                                 skip_auto_headers=("User-Agent",))
+
+
+Chooser = Callable[[list[Pod]], Choice]
+
+
+async def send_hop(client: aiohttp.ClientSession, pods: PodDirectory, metrics: RouterMetrics,
+                   hop: str, pool: str, choose: Chooser, path: str, body: bytes,
+                   headers: dict[str, str], timeout: aiohttp.ClientTimeout | None = None
+                   ) -> HopResponse:
+    """Sends `body` to a pod of `pool` chosen by `choose`; retries once on another pod."""
+    tried: list[str] = []
+    last_error = f"no live pod in the {pool} pool"
+    for attempt in range(2):
+        candidates = [p for p in pods.pool(pool) if p.name not in tried]
+        if not candidates:
+            break
+        choice = choose(candidates)
+        pod = choice.pod
+        tried.append(pod.name)
+        if attempt:
+            metrics.retries.labels(hop).inc()
+        answer, last_error = await _try_pod(client, pods, metrics, hop, choice, path, body,
+                                            headers, timeout)
+        if answer is not None:
+            return answer
+    if not tried:
+        raise HopError(f"no pod can serve this request: the {pool} pool has no live pod",
+                       status=503, code="service_unavailable")
+    raise HopError(f"the {pool} pool could not serve this request: {last_error}")
+
+
+async def _try_pod(client: aiohttp.ClientSession, pods: PodDirectory, metrics: RouterMetrics,
+                   hop: str, choice: Choice, path: str, body: bytes, headers: dict[str, str],
+                   timeout: aiohttp.ClientTimeout | None) -> tuple[HopResponse | None, str]:
+    pod = choice.pod
+    started = time.perf_counter()
+    pod.num_routed += 1
+    try:
+        if timeout is None:
+            response = await client.post(pod.url + path, data=body, headers=headers)
+        else:
+            response = await client.post(pod.url + path, data=body, headers=headers,
+                                         timeout=timeout)
+    except TRANSPORT_ERRORS as exc:
+        pod.num_routed -= 1
+        pods.mark_failed(pod)
+        metrics.hop_requests.labels(hop, "unreachable").inc()
+        return None, f"pod {pod.name} failed: {type(exc).__name__}: {exc}"
+    metrics.hop_latency.labels(hop).observe(time.perf_counter() - started)
+    if response.status in RETRYABLE_STATUSES:
+        pod.num_routed -= 1
+        try:
+            detail = (await response.read())[:300].decode(errors="replace")
+        except TRANSPORT_ERRORS as exc:
+            detail = f"(body lost: {type(exc).__name__})"
+        response.release()
+        if response.status >= 500:
+            pods.mark_failed(pod)
+        metrics.hop_requests.labels(hop, str(response.status)).inc()
+        return None, f"pod {pod.name} answered {response.status}: {detail}"
+    metrics.hop_requests.labels(hop, str(response.status)).inc()
+    # The caller releases the response, and `release` undoes num_routed then.
+    return HopResponse(pod, response, choice), ""
+
+
+def release(answer: HopResponse) -> None:
+    """The answer is over: the pod no longer carries this request for this router."""
+    answer.response.release()
+    answer.pod.num_routed -= 1

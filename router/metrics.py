@@ -1,0 +1,48 @@
+"""The router's Prometheus metrics (`kvferry:router_*`): hops, retries, fallbacks, choices."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+HOP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+               30.0, 60.0, 120.0)
+
+
+class RouterMetrics:
+    """One registry per router, so tests can run several in one process."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvferry:router_requests", "Client requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.hop_requests = Counter("kvferry:router_hop_requests",
+                                    "Requests sent to pods, by hop and outcome",
+                                    ["hop", "outcome"], registry=r)
+        self.hop_latency = Histogram("kvferry:router_hop_latency_seconds",
+                                     "Seconds from sending a hop to its response headers "
+                                     "(prefill: to its whole answer)", ["hop"],
+                                     buckets=HOP_BUCKETS, registry=r)
+        self.retries = Counter("kvferry:router_retries", "Hops retried on another pod", ["hop"],
+                               registry=r)
+        self.prefill_fallbacks = Counter(
+            "kvferry:router_prefill_fallbacks",
+            "Requests sent straight to decode because the prefill pool was down or failed",
+            ["reason"], registry=r)
+        self.prefill_skips = Counter(
+            "kvferry:router_prefill_skips",
+            "Requests whose uncached prompt part was below the threshold (no prefill hop)",
+            registry=r)
+        self.pod_chosen = Counter("kvferry:router_pod_chosen", "Pods chosen, per pool and policy",
+                                  ["pool", "policy", "pod"], registry=r)
+        self.predicted_hit_tokens = Counter(
+            "kvferry:router_predicted_prefix_hit_tokens",
+            "Prompt tokens predicted to be in the chosen pod's prefix cache", ["pool"], registry=r)
+        self.kv_events = Gauge("kvferry:router_kv_event_batches",
+                               "KV event batches (one engine step each) applied to the prefix "
+                               "index since the router started", registry=r)
+        self.stream_errors = Counter("kvferry:router_stream_errors",
+                                     "Answers cut off by a pod failing mid-stream", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,139 @@
+"""The router's view of the pods: the registry in Redis, reread every poll interval.
+
+A pod whose key expired is gone at the next poll. A pod that refused a connection is
+set aside locally for a short while, so requests do not keep trying it until its key
+expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from kvferry.engine.server.registry import PodRecord, pod_key_prefix
+
+logger = logging.getLogger("kvferry.router.pods")
+
+# A pod that failed a connection is not chosen for this long (unless nothing else is left).
+FAILED_POD_COOLDOWN_S = 5.0
+# Which pool a registered role serves in: a `both` pod is the decode pool of a
+# colocated service (the operator names its single pool `decode`).
+ROLE_POOL = {"both": "decode", "decode": "decode", "prefill": "prefill", "encoder": "encoder"}
+
+
+@dataclass
+class Pod:
+    """One live pod: its latest record plus what this router counts itself."""
+
+    record: PodRecord
+    # Requests this router has in flight on the pod (fresher than the pod's own numbers).
+    num_routed: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.record.pod
+
+    @property
+    def url(self) -> str:
+        return self.record.url
+
+    @property
+    def pool(self) -> str:
+        return ROLE_POOL.get(self.record.role, "decode")
+
+
+class PodDirectory:
+    """Live pods by pool, refreshed from the registry in the background."""
+
+    def __init__(self, redis_url: str, service: str, poll_s: float) -> None:
+        import redis.asyncio as aioredis
+
+        self._redis = aioredis.from_url(redis_url)
+        self._prefix = pod_key_prefix(service)
+        self._poll_s = poll_s
+        self._pods: dict[str, Pod] = {}
+        self._failed_until: dict[str, float] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.is_connected = False
+        # Called with a pod's name when it leaves (its caches are gone with it).
+        self.on_leave: list[Callable[[str], None]] = []
+
+    # ------------------------------------------------------------------ reading
+    def pool(self, name: str) -> list[Pod]:
+        """Live pods of a pool, those that failed lately last."""
+        pods = [p for p in self._pods.values() if p.pool == name]
+        now = time.monotonic()
+        healthy = [p for p in pods if self._failed_until.get(p.name, 0.0) <= now]
+        return healthy or pods
+
+    def pools(self) -> dict[str, list[str]]:
+        """pool -> names of its live pods (for /health)."""
+        out: dict[str, list[str]] = {}
+        for pod in self._pods.values():
+            out.setdefault(pod.pool, []).append(pod.name)
+        return {k: sorted(v) for k, v in sorted(out.items())}
+
+    def get(self, name: str) -> Pod | None:
+        return self._pods.get(name)
+
+    def mark_failed(self, pod: Pod) -> None:
+        self._failed_until[pod.name] = time.monotonic() + FAILED_POD_COOLDOWN_S
+
+    # ------------------------------------------------------------------ refreshing
+    async def refresh(self) -> None:
+        keys = [k async for k in self._redis.scan_iter(match=self._prefix + "*", count=1000)]
+        values = await self._redis.mget(keys) if keys else []
+        records = {}
+        for raw in values:
+            if raw is None:  # expired between SCAN and MGET
+                continue
+            try:
+                record = PodRecord.from_json(raw)
+            except ValueError as exc:
+                logger.warning("pod registry: ignoring a bad record: %s", exc)
+                continue
+            records[record.pod] = record
+        self._apply(records)
+        self.is_connected = True
+
+    def _apply(self, records: dict[str, PodRecord]) -> None:
+        for name in self._pods.keys() - records.keys():
+            logger.info("pod %s left (%s)", name, self._pods[name].url)
+            del self._pods[name]
+            for listener in self.on_leave:
+                listener(name)
+        for name, record in records.items():
+            pod = self._pods.get(name)
+            if pod is None:
+                logger.info("pod %s joined the %s pool (%s)", name, ROLE_POOL.get(record.role),
+                            record.url)
+                self._pods[name] = Pod(record)
+            else:
+                pod.record = record
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._poll_forever())
+
+    async def _poll_forever(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except (OSError, RedisError) as exc:
+                # Keep the last view: pods keep serving while Redis is briefly away.
+                if self.is_connected:
+                    logger.warning("pod registry: cannot read Redis: %s", exc)
+                self.is_connected = False
+            await asyncio.sleep(self._poll_s)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._redis.aclose()

@@ -1,0 +1,218 @@
+"""The router's request flow against fake engine pods (real processes, real Redis)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from procs import Proc, fake_engine, router_process
+
+SERVICE = "flow"
+LONG_PROMPT = " ".join(["word"] * 300)  # the fake tokenizer: one token per word
+
+
+def metric(router: Proc, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    text = httpx.get(f"http://127.0.0.1:{router.port}/metrics").text  # type: ignore[attr-defined]
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            sample, _, value = line.rpartition(" ")
+            if all(f'{k}="{v}"' in sample for k, v in labels.items()):
+                total += float(value)
+    return total
+
+
+def received(pod: Proc) -> list[dict]:
+    return httpx.get(f"http://127.0.0.1:{pod.port}/fake/requests").json()  # type: ignore[attr-defined]
+
+
+def set_behaviour(pod: Proc, behaviour: str) -> None:
+    httpx.post(f"http://127.0.0.1:{pod.port}/fake/behaviour",  # type: ignore[attr-defined]
+               json={"behaviour": behaviour}).raise_for_status()
+
+
+def wait_pools(router: Proc, expected: dict[str, list[str]], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    pools = None
+    while time.monotonic() < deadline:
+        pools = httpx.get(f"http://127.0.0.1:{router.port}/health").json()["pools"]  # type: ignore[attr-defined]
+        if pools == expected:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"pools {pools} != {expected}")
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[dict[str, Proc]]:
+    """One prefill and two decode fake pods behind a router with API keys."""
+    tmp = tmp_path_factory.mktemp("pd")
+    keys = tmp / "keys"
+    keys.write_text("key-one\nkey-two\n")
+    procs: dict[str, Proc] = {}
+    try:
+        procs["prefill-0"] = fake_engine(tmp, redis_url, SERVICE, "prefill", "prefill-0")
+        procs["decode-0"] = fake_engine(tmp, redis_url, SERVICE, "decode", "decode-0")
+        procs["decode-1"] = fake_engine(tmp, redis_url, SERVICE, "decode", "decode-1")
+        procs["router"] = router_process(tmp, redis_url, SERVICE, "--api-key-file", str(keys),
+                                         "--max-body-bytes", "100000",
+                                         env={"KVFERRY_ROUTING_DECODE": "round-robin"})
+        wait_pools(procs["router"], {"decode": ["decode-0", "decode-1"], "prefill": ["prefill-0"]})
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+def client(router: Proc, key: str = "key-two") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{router.port}/v1", api_key=key,  # type: ignore[attr-defined]
+                         max_retries=0, timeout=10)
+
+
+def test_long_prompt_goes_through_prefill_with_the_router_params(pd: dict[str, Proc]) -> None:
+    before = len(received(pd["prefill-0"]))
+    out = client(pd["router"]).completions.create(
+        model="fake", prompt=LONG_PROMPT, max_tokens=5,
+        extra_body={"kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.6.6.6"}})
+    assert out.choices[0].text == " a b c"
+    prefill_body = received(pd["prefill-0"])[before]
+    assert prefill_body["kv_transfer_params"] == {"do_remote_decode": True}
+    assert (prefill_body["max_tokens"], prefill_body["stream"]) == (1, False)
+    decoded = [b for pod in ("decode-0", "decode-1") for b in received(pd[pod])
+               if b.get("prompt") == LONG_PROMPT]
+    assert len(decoded) == 1
+    # The prefill pod's params, never the client's.
+    assert decoded[0]["kv_transfer_params"]["remote_engine_id"] == "prefill-0"
+    assert decoded[0]["kv_transfer_params"]["remote_host"] == "127.0.0.1"
+
+
+def test_short_prompt_skips_prefill(pd: dict[str, Proc]) -> None:
+    skips = metric(pd["router"], "kvferry:router_prefill_skips_total")
+    before = len(received(pd["prefill-0"]))
+    out = client(pd["router"]).completions.create(
+        model="fake", prompt="short prompt", max_tokens=5,
+        extra_body={"kv_transfer_params": {"remote_host": "10.6.6.6"}})
+    assert out.choices[0].text == " a b c"
+    assert len(received(pd["prefill-0"])) == before
+    assert metric(pd["router"], "kvferry:router_prefill_skips_total") == skips + 1
+    decoded = [b for pod in ("decode-0", "decode-1") for b in received(pd[pod])
+               if b.get("prompt") == "short prompt"]
+    assert "kv_transfer_params" not in decoded[-1]
+
+
+def test_streamed_chat_passes_chunk_by_chunk(pd: dict[str, Proc]) -> None:
+    stream = client(pd["router"]).chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "hi"}], stream=True)
+    assert [c.choices[0].delta.content for c in stream] == [" a", " b", " c"]
+
+
+def test_wrong_api_key_gets_401(pd: dict[str, Proc]) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        client(pd["router"], key="wrong").completions.create(model="fake", prompt="x")
+    assert httpx.get(f"http://127.0.0.1:{pd['router'].port}/v1/models").status_code == 401  # type: ignore[attr-defined]
+
+
+def test_body_over_the_limit_gets_413(pd: dict[str, Proc]) -> None:
+    response = httpx.post(f"http://127.0.0.1:{pd['router'].port}/v1/completions",  # type: ignore[attr-defined]
+                          headers={"Authorization": "Bearer key-one"},
+                          json={"model": "fake", "prompt": "x" * 200_000})
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+
+
+def test_bad_json_gets_openai_shaped_400(pd: dict[str, Proc]) -> None:
+    response = httpx.post(f"http://127.0.0.1:{pd['router'].port}/v1/completions",  # type: ignore[attr-defined]
+                          headers={"Authorization": "Bearer key-one"}, content=b"{not json")
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_failing_prefill_falls_back_to_decode(pd: dict[str, Proc]) -> None:
+    fallbacks = metric(pd["router"], "kvferry:router_prefill_fallbacks_total")
+    set_behaviour(pd["prefill-0"], "refuse")
+    try:
+        out = client(pd["router"]).completions.create(model="fake", prompt=LONG_PROMPT)
+    finally:
+        set_behaviour(pd["prefill-0"], "ok")
+    assert out.choices[0].text == " a b c"
+    assert metric(pd["router"], "kvferry:router_prefill_fallbacks_total",
+                  reason="prefill_failed") == fallbacks + 1
+
+
+def test_refusing_decode_pod_is_retried_on_the_other(pd: dict[str, Proc]) -> None:
+    retries = metric(pd["router"], "kvferry:router_retries_total", hop="decode")
+    set_behaviour(pd["decode-0"], "refuse")
+    try:
+        texts = [client(pd["router"]).completions.create(model="fake", prompt="p").choices[0].text
+                 for _ in range(4)]
+    finally:
+        set_behaviour(pd["decode-0"], "ok")
+    assert texts == [" a b c"] * 4
+    assert metric(pd["router"], "kvferry:router_retries_total", hop="decode") >= retries + 1
+
+
+def test_decode_dying_mid_stream_ends_with_an_error_event(pd: dict[str, Proc]) -> None:
+    for pod in ("decode-0", "decode-1"):
+        set_behaviour(pd[pod], "cut")
+    try:
+        with httpx.stream("POST", f"http://127.0.0.1:{pd['router'].port}/v1/completions",  # type: ignore[attr-defined]
+                          headers={"Authorization": "Bearer key-one"},
+                          json={"model": "fake", "prompt": "p", "stream": True}) as response:
+            events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    finally:
+        for pod in ("decode-0", "decode-1"):
+            set_behaviour(pd[pod], "ok")
+    assert json.loads(events[0][6:])["choices"][0]["text"] == " a"
+    assert json.loads(events[-2][6:])["error"]["code"] == "bad_gateway"
+    assert events[-1] == "data: [DONE]"
+
+
+def test_no_live_pod_gets_503(tmp_path: Path, redis_url: str) -> None:
+    router = router_process(tmp_path, redis_url, "empty-service")
+    try:
+        response = httpx.post(f"http://127.0.0.1:{router.port}/v1/completions",  # type: ignore[attr-defined]
+                              json={"model": "fake", "prompt": "p"})
+        assert response.status_code == 503
+        assert "no live pod" in response.json()["error"]["message"]
+        assert httpx.get(f"http://127.0.0.1:{router.port}/health").status_code == 503  # type: ignore[attr-defined]
+    finally:
+        router.stop()
+
+
+def test_a_stopped_pod_leaves_the_registry_at_once(tmp_path: Path, redis_url: str) -> None:
+    a = fake_engine(tmp_path, redis_url, "leaving", "both", "pod-a")
+    b = fake_engine(tmp_path, redis_url, "leaving", "both", "pod-b")
+    router = router_process(tmp_path, redis_url, "leaving")
+    try:
+        wait_pools(router, {"decode": ["pod-a", "pod-b"]})
+        a.stop()
+        wait_pools(router, {"decode": ["pod-b"]}, timeout_s=1.0)  # well under the key's TTL
+        out = client(router).completions.create(model="fake", prompt="p")
+        assert out.choices[0].text == " a b c"
+    finally:
+        for proc in (a, b, router):
+            proc.stop()
+
+
+def test_stuck_pods_cannot_hang_a_client(pd: dict[str, Proc], tmp_path: Path,
+                                         redis_url: str) -> None:
+    router = router_process(tmp_path, redis_url, SERVICE, "--decode-timeout", "0.5")
+    for pod in ("decode-0", "decode-1"):
+        set_behaviour(pd[pod], "hang")
+    try:
+        started = time.monotonic()
+        response = httpx.post(f"http://127.0.0.1:{router.port}/v1/completions",  # type: ignore[attr-defined]
+                              json={"model": "fake", "prompt": "p"}, timeout=30)
+        elapsed = time.monotonic() - started
+    finally:
+        for pod in ("decode-0", "decode-1"):
+            set_behaviour(pd[pod], "ok")
+        router.stop()
+    # One try and one retry, each cut off after half a second.
+    assert response.status_code == 502 and elapsed < 5, (response.status_code, elapsed)
+    assert "TimeoutError" in response.json()["error"]["message"]

@@ -1,0 +1,89 @@
+"""The operator/router contract: every `kvferry router` command line and environment the
+operator renders for the router pod parses and validates with the real `kvferry router`."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvferry.engine.cli import build_parser
+from kvferry.operator.render import render_children
+from kvferry.operator.spec import parse_spec
+from kvferry.router.cli import settings_from_args
+from kvferry.router.config import read_api_keys
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+from operator_factories import EXAMPLES, load_example, random_spec, service  # noqa: E402
+
+
+def router_container(manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The router container and its environment (ConfigMap plus env, secrets stood in)."""
+    children = render_children(parse_spec(manifest))
+    config_maps = {c.name: c.manifest["data"] for c in children if c.kind == "ConfigMap"}
+    (container,) = [c for child in children if child.kind == "Deployment"
+                    for c in child.manifest["spec"]["template"]["spec"]["containers"]
+                    if c["name"] == "router"]
+    env: dict[str, str] = {}
+    for ref in container.get("envFrom", ()):
+        env.update(config_maps.get(ref.get("configMapRef", {}).get("name"), {}))
+    for var in container.get("env", ()):
+        env[var["name"]] = var.get("value", "redis://:pw@redis:6379/0" if var["name"] == "REDIS_URL"
+                                   else "secret")
+    return container, env
+
+
+def check_rendered(manifest: dict[str, Any], tmp_path: Path) -> None:
+    spec = parse_spec(manifest)
+    container, env = router_container(manifest)
+    args = container["args"]
+    assert args[:2] == ["kvferry", "router"], args
+    parsed = build_parser(args[1:]).parse_args(args[1:])
+    assert parsed.command == "router"
+    if parsed.api_key_file is not None:
+        # The mounted Secret, stood in by a local file with the same contents shape.
+        key_file = tmp_path / "key"
+        key_file.write_text("a-key\n")
+        assert parsed.api_key_file.endswith("/" + spec.router.api_key_secret.key)
+        parsed.api_key_file = str(key_file)
+    settings = settings_from_args(parsed, env)
+    assert settings.service == spec.name
+    assert (settings.host, settings.port) == ("0.0.0.0", 8000)
+    for pool, policy in spec.router.routing.items():
+        assert settings.policies[pool] == policy
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_every_example_renders_a_router_command_line_it_accepts(path: Path,
+                                                                tmp_path: Path) -> None:
+    check_rendered(load_example(path), tmp_path)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_specs_render_router_command_lines_it_accepts(seed: int, tmp_path: Path) -> None:
+    check_rendered(service(random_spec(random.Random(seed)), name=f"svc{seed}"), tmp_path)
+
+
+def test_unknown_policy_names_the_variable() -> None:
+    args = build_parser(["router"]).parse_args(["router", "--service", "s", "--redis", "redis://x"])
+    with pytest.raises(ValueError, match="KVFERRY_ROUTING_DECODE"):
+        settings_from_args(args, {"KVFERRY_ROUTING_DECODE": "random"})
+
+
+def test_redis_and_service_come_from_the_environment_too() -> None:
+    args = build_parser(["router"]).parse_args(["router", "--service", "s"])
+    assert settings_from_args(args, {"REDIS_URL": "redis://r:6379/0"}).redis_url == "redis://r:6379/0"
+    with pytest.raises(ValueError, match="--redis"):
+        settings_from_args(args, {})
+
+
+def test_api_key_file_holds_one_or_several_keys(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("one\n\n  two  \n")
+    assert read_api_keys(str(path)) == frozenset({"one", "two"})
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        read_api_keys(str(path))
