@@ -102,9 +102,13 @@ def pod_children(spec: InferenceServiceSpec, redis_url: str, env: dict[str, str]
             port = free_port()
             pod_args = _set_flag(_set_flag(args, "--host", "127.0.0.1"), "--port", str(port))
             logger.info("pod %s: http://127.0.0.1:%d", name, port)
+            pod_env = {**env, "KVFERRY_POD_NAME": name}
+            if "KVFERRY_NIXL_PORT" in env:
+                # On a cluster each pod has its own address; here they share one, so each
+                # pod's KV transfer side channel gets a port of its own.
+                pod_env["KVFERRY_NIXL_PORT"] = str(free_port())
             children.append(ChildSpec(name, [sys.executable, "-m", "kvferry.engine.cli",
-                                             *pod_args[1:]],
-                                      env={**env, "KVFERRY_POD_NAME": name}))
+                                             *pod_args[1:]], env=pod_env))
     return children
 
 

@@ -252,3 +252,16 @@ def test_up_restarts_a_dead_pod(up: tuple[Proc, dict[str, str]]) -> None:
     done = client(proc.port).completions.create(model=SERVICE_NAME, prompt="Hello", max_tokens=3)  # type: ignore[attr-defined]
     assert done.choices[0].text
 
+
+
+def test_each_local_pod_gets_its_own_kv_side_channel_port() -> None:
+    from kvferry.operator.spec import parse_spec
+    from kvferry.up import load_service, pod_children
+
+    spec = parse_spec(load_service(None))
+    env = {"KVFERRY_NIXL_PORT": "5600", "KVFERRY_SERVICE": spec.name}
+    children = pod_children(spec, "redis://127.0.0.1:1", env)
+    ports = [c.env["KVFERRY_NIXL_PORT"] for c in children]
+    assert len(children) >= 2
+    assert len(set(ports)) == len(ports) and "5600" not in ports
+    assert {c.env["KVFERRY_POD_NAME"] for c in children} == {c.name for c in children}
