@@ -39,8 +39,8 @@ DEMO_SERVICE: dict[str, Any] = {
     },
 }
 STOP_TIMEOUT_S = 30.0
-# Roles that take part in KV transfer between pods; until engines speak it they run `both`.
-DISAGGREGATED_ROLES = ("prefill", "decode", "encoder")
+# Roles the engine does not serve yet; their pods run `both` (the router proxies to them).
+UNSERVED_ROLES = ("encoder",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,9 +93,9 @@ def pod_children(spec: InferenceServiceSpec, redis_url: str, env: dict[str, str]
         args = serve_args(spec, pool, redis_url)
         args = _set_flag(args, "--model", local_model_arg(spec.model.source_scheme,
                                                           spec.model.source_path))
-        if pool.role in DISAGGREGATED_ROLES:
-            logger.warning("pool %s: KV transfer between pods is not available yet; its pods "
-                           "run as --role both (the router proxies to them directly)", pool.name)
+        if pool.role in UNSERVED_ROLES:
+            logger.warning("pool %s: the %s role is not served yet; its pods run as --role both "
+                           "(the router proxies to them directly)", pool.name, pool.role)
             args = _set_flag(args, "--role", "both")
         for index in range(pool.replicas):
             name = f"{spec.name}-{pool.name}-{index}"

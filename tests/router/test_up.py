@@ -265,3 +265,37 @@ def test_each_local_pod_gets_its_own_kv_side_channel_port() -> None:
     assert len(children) >= 2
     assert len(set(ports)) == len(ports) and "5600" not in ports
     assert {c.env["KVFERRY_POD_NAME"] for c in children} == {c.name for c in children}
+
+
+def test_up_with_prefill_and_decode_pools_pulls_kv_and_answers_like_a_single_server(
+    tmp_path: Path, single: Proc
+) -> None:
+    manifest = yaml.safe_load(service_yaml(tmp_path).read_text())
+    manifest["spec"]["pools"] = {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+    manifest["spec"]["router"] = {"routing": {"decode": "least-loaded"}}
+    path = tmp_path / "pd.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    port = free_port()
+    proc = Proc([sys.executable, "-m", "kvferry.engine.cli", "up", "-f", str(path),
+                 "--port", str(port)], tmp_path / "pd.log")
+    try:
+        deadline = time.monotonic() + 240
+        while "ready: http" not in proc.log():
+            assert proc.proc.poll() is None and time.monotonic() < deadline, proc.log()
+            time.sleep(0.2)
+        pods = dict(re.findall(r"pod (\S+): (http://127\.0\.0\.1:\d+)", proc.log()))
+        # Long enough to pass the router's prefill threshold, so it takes both hops.
+        prompt = " ".join(["the history of the river and the town"] * 40)
+        got = client(port).completions.create(model=SERVICE_NAME, prompt=prompt, max_tokens=8,
+                                              temperature=0)
+        want = client(single.port).completions.create(  # type: ignore[attr-defined]
+            model=SERVICE_NAME, prompt=prompt, max_tokens=8, temperature=0)
+        assert got.choices[0].text == want.choices[0].text
+        assert got.usage.completion_tokens == want.usage.completion_tokens
+        router = httpx.get(f"http://127.0.0.1:{port}/metrics", trust_env=False).text
+        assert 'kvferry:router_hop_requests_total{hop="prefill",outcome="200"} 1.0' in router
+        decode = httpx.get(pods[f"{SERVICE_NAME}-decode-0"] + "/metrics", trust_env=False).text
+        pulled = re.search(r'^kvferry:kv_transfer_bytes_total\{[^}]*\} (\S+)', decode, re.M)
+        assert pulled is not None and float(pulled.group(1)) > 0, decode
+    finally:
+        assert proc.stop(timeout_s=60) == 0, proc.log()
