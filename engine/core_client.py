@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from kvferry.engine.config import EngineConfig
+from kvferry.engine.core_process import open_socket
 from kvferry.engine.messages import (
     CoreFailed,
     CoreInput,
@@ -84,8 +85,8 @@ class CoreClient:
         context, async_context = zmq.Context(), zmq.asyncio.Context()
         client = cls(
             ipc_dir, context, async_context,
-            _bind(context, zmq.PUSH, input_address),
-            _bind(async_context, zmq.PULL, output_address),
+            open_socket(context, zmq.PUSH, input_address, bind=True),
+            open_socket(async_context, zmq.PULL, output_address, bind=True),
         )
         try:
             client.process = await asyncio.create_subprocess_exec(
@@ -210,11 +211,3 @@ def _ready_info(message: CoreOutput) -> EngineCoreInfo:
     if isinstance(message, CoreFailed):
         raise EngineDeadError(f"the engine core failed to load the model: {message.message}")
     raise EngineDeadError(f"the engine core sent {type(message).__name__} before it was ready")
-
-
-def _bind(context: zmq.Context, kind: int, address: str) -> zmq.Socket:
-    socket = context.socket(kind)
-    socket.setsockopt(zmq.SNDHWM, 0)
-    socket.setsockopt(zmq.RCVHWM, 0)
-    socket.bind(address)
-    return socket

@@ -223,8 +223,8 @@ def run_engine_core(
     """
     _setup_process(log_level)
     context = zmq.Context()
-    input_socket = _connect(context, zmq.PULL, addresses.input)
-    output_socket = _connect(context, zmq.PUSH, addresses.output)
+    input_socket = open_socket(context, zmq.PULL, addresses.input, bind=False)
+    output_socket = open_socket(context, zmq.PUSH, addresses.output, bind=False)
     output_socket.setsockopt(zmq.LINGER, _OUTPUT_LINGER_MS)
     encoder = msgspec.msgpack.Encoder()
     exit_code = 0
@@ -268,12 +268,16 @@ def _send(socket: zmq.Socket, encoder: msgspec.msgpack.Encoder, message: CoreOut
     socket.send(encoder.encode(message), copy=False)
 
 
-def _connect(context: zmq.Context, kind: int, address: str) -> zmq.Socket:
+def open_socket(context: zmq.Context, kind: int, address: str, *, bind: bool) -> zmq.Socket:
+    """A socket of either end of the front end <-> core pair."""
     socket = context.socket(kind)
     # No high-water mark: a burst of requests or outputs queues instead of blocking a send.
     socket.setsockopt(zmq.SNDHWM, 0)
     socket.setsockopt(zmq.RCVHWM, 0)
-    socket.connect(address)
+    if bind:
+        socket.bind(address)
+    else:
+        socket.connect(address)
     return socket
 
 
