@@ -20,28 +20,24 @@ block is being computed in this step by another request waits one step for it.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from operator import attrgetter
 from typing import Any
-
-import numpy as np
 
 from kvferry.engine.config import SchedulerConfig
 from kvferry.engine.kv_cache import KVCacheBlock, KVCacheManager
 from kvferry.engine.messages import EngineCoreOutput, FinishReason, SchedulerStats
-from kvferry.engine.request import Request, RequestStatus
 from kvferry.engine.remote_kv import RemoteKV
+from kvferry.engine.request import Request, RequestStatus
 from kvferry.engine.request_queue import make_request_queue
+from kvferry.engine.running_plan import plan_running, request_id
 from kvferry.engine.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
-    NewRequestData,
     SchedulerOutput,
+    new_request_data,
 )
+from kvferry.engine.step_budget import StepBudget
+from kvferry.engine.stopping import MinTokensGuard, check_stop
 from kvferry.kvtransfer.connector import KVConnectorOutput, KVConnectorScheduler
-
-_request_id = attrgetter("request_id")
-_num_computed_tokens = attrgetter("num_computed_tokens")
-_all_token_ids = attrgetter("all_token_ids")
 
 
 class Scheduler:
@@ -63,8 +59,7 @@ class Scheduler:
         # Finished since the last schedule(): the runner drops their rows and any state it
         # keeps for them (ids it never saw are ignored there).
         self.finished_req_ids: set[str] = set()
-        # Requests that may not stop yet (fewer outputs than min_tokens).
-        self._min_tokens_pending: set[str] = set()
+        self._min_tokens = MinTokensGuard()
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ requests
@@ -86,8 +81,7 @@ class Scheduler:
         if self.remote is not None:
             self.remote.add_request(request)
         self.waiting.add(request)
-        if request.sampling_params.min_tokens > 0:
-            self._min_tokens_pending.add(request.request_id)
+        self._min_tokens.add(request)
 
     def finish_requests(
         self, request_ids: Iterable[str], status: RequestStatus
@@ -119,7 +113,7 @@ class Scheduler:
         if self.remote is None or request.request_id not in self.remote.kept:
             self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
-        self._min_tokens_pending.discard(request.request_id)
+        self._min_tokens.discard(request.request_id)
         # Always reported, wherever the request was: a request preempted and then aborted
         # while waiting has no row but may still have runner state (a seeded generator).
         self.finished_req_ids.add(request.request_id)
@@ -182,7 +176,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
-        budget = _Budget(self.config.max_num_batched_tokens)
+        budget = StepBudget(self.config.max_num_batched_tokens, self.kv_cache_manager.block_size)
         scheduled_running, preempted = self._schedule_running(budget)
         scheduled_waiting: list[Request] = []
         if not preempted:
@@ -192,56 +186,19 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
         return output
 
-    def _schedule_running(self, budget: _Budget) -> tuple[list[Request], list[Request]]:
+    def _schedule_running(self, budget: StepBudget) -> tuple[list[Request], list[Request]]:
         """Serves running requests in order: planned in bulk unless someone must be preempted."""
         planned = self._plan_running(budget)
         if planned is not None:
             return planned, []
         return self._schedule_running_one_by_one(budget)
 
-    def _plan_running(self, budget: _Budget) -> list[Request] | None:
-        """The common step, with NumPy over all running requests; None if blocks ran out.
-
-        Each request wants its unscheduled known tokens (never past max_model_len: a full
-        sequence's last token is not fed); the budget serves them in running order.
-        Requests whose tokens cross into new blocks get them in one allocation, all or
-        nothing; if the pool cannot serve them all, the slow pass preempts.
-        """
-        running = self.running
-        num = len(running)
-        if num == 0:
-            return []
-        manager = self.kv_cache_manager
-        # map() with C-level getters: these run every step over every running request.
-        computed = np.fromiter(map(_num_computed_tokens, running), np.int64, num)
-        known = np.fromiter(map(len, map(_all_token_ids, running)), np.int64, num)
-        wanted = np.maximum(np.minimum(known, self.config.max_model_len) - computed, 0)
-        num_new = np.clip(budget.tokens - (np.cumsum(wanted) - wanted), 0, wanted)
-        ends = computed + num_new
-        req_ids = list(map(_request_id, running))
-        grow = np.flatnonzero(ends > manager.num_slots(req_ids))
-        if grow.size:
-            growing = [running[i] for i in grow.tolist()]
-            new_block_ids = manager.allocate_running_slots(growing, ends[grow].tolist())
-            if new_block_ids is None:
-                return None
-            budget.new_block_ids.update(zip(map(_request_id, growing), new_block_ids))
-        if manager.enable_caching:
-            block_size = manager.block_size
-            filling = np.flatnonzero(ends // block_size > computed // block_size)
-            budget.filling.update((running[i].request_id, running[i]) for i in filling.tolist())
-        rows = np.flatnonzero(num_new)
-        if rows.size == num:
-            # A copy: admitting waiting requests appends to self.running.
-            scheduled, scheduled_ids = list(running), req_ids
-        else:
-            scheduled = [running[i] for i in rows.tolist()]
-            scheduled_ids = list(map(_request_id, scheduled))
-        budget.take_many(scheduled, scheduled_ids, num_new[rows].tolist())
-        return scheduled
+    def _plan_running(self, budget: StepBudget) -> list[Request] | None:
+        """The common step, planned in bulk; None if blocks ran out (see running_plan)."""
+        return plan_running(self.running, self.kv_cache_manager, self.config.max_model_len, budget)
 
     def _schedule_running_one_by_one(
-        self, budget: _Budget
+        self, budget: StepBudget
     ) -> tuple[list[Request], list[Request]]:
         scheduled: list[Request] = []
         preempted: list[Request] = []
@@ -270,18 +227,11 @@ class Scheduler:
             if new_blocks:
                 budget.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
             budget.take(request, num_new)
-            self._note_filling(request, request.num_computed_tokens, num_new, budget)
             scheduled.append(request)
         return scheduled, preempted
 
-    def _note_filling(self, request: Request, num_computed: int, num_new: int, budget: _Budget) -> None:
-        """Remembers a request whose tokens this step complete a block (indexed after it)."""
-        block_size = self.kv_cache_manager.block_size
-        if (num_computed + num_new) // block_size > num_computed // block_size:
-            budget.filling[request.request_id] = request
-
     def _preempt_until_fits(
-        self, request: Request, num_new: int, budget: _Budget, preempted: list[Request]
+        self, request: Request, num_new: int, budget: StepBudget, preempted: list[Request]
     ) -> list[KVCacheBlock] | None:
         """Preempts others until `request` gets its blocks (None if it preempted itself)."""
         while True:
@@ -299,7 +249,7 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, request: Request, budget: _Budget) -> None:
+    def _preempt(self, request: Request, budget: StepBudget) -> None:
         self.running.remove(request)
         self.kv_cache_manager.free(request)
         budget.untake(request)
@@ -309,7 +259,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend(request)
 
-    def _schedule_waiting(self, budget: _Budget) -> list[Request]:
+    def _schedule_waiting(self, budget: StepBudget) -> list[Request]:
         scheduled: list[Request] = []
         while self.waiting and budget.tokens > 0:
             if len(self.running) >= self.config.max_num_seqs:
@@ -351,11 +301,6 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             budget.take(request, num_new)
-            self._note_filling(request, num_hit_tokens, num_new, budget)
-            if budget.in_flight_hashes is not None:
-                end = (num_hit_tokens + num_new) // self.kv_cache_manager.block_size
-                first = num_hit_tokens // self.kv_cache_manager.block_size
-                budget.in_flight_hashes.update(request.block_hashes[first:end])
             scheduled.append(request)
         return scheduled
 
@@ -388,7 +333,7 @@ class Scheduler:
         self.remote.park(request, num_hit_tokens, num_external)
         return True
 
-    def _next_block_in_flight(self, request: Request, num_hit_blocks: int, budget: _Budget) -> bool:
+    def _next_block_in_flight(self, request: Request, num_hit_blocks: int, budget: StepBudget) -> bool:
         """Whether another request computes, this step, the first block `request` missed."""
         manager = self.kv_cache_manager
         # A hit never covers the last token (see KVCacheManager.get_computed_blocks).
@@ -396,29 +341,14 @@ class Scheduler:
             num_hit_blocks >= (request.num_tokens - 1) // manager.block_size
         ):
             return False
-        block_hashes = request.block_hashes
-        if budget.in_flight_hashes is None:
-            budget.in_flight_hashes = self._hashes_in_flight(budget)
-        return block_hashes[num_hit_blocks] in budget.in_flight_hashes
-
-    def _hashes_in_flight(self, budget: _Budget) -> set[bytes]:
-        """Hashes of the full blocks that the requests scheduled so far compute this step."""
-        block_size = self.kv_cache_manager.block_size
-        in_flight: set[bytes] = set()
-        for req_id, num_tokens in budget.scheduled.items():
-            request = budget.requests[req_id]
-            # num_computed_tokens is advanced only once scheduling is done.
-            first = request.num_computed_tokens // block_size
-            end = (request.num_computed_tokens + num_tokens) // block_size
-            in_flight.update(request.block_hashes[first:end])
-        return in_flight
+        return budget.computes_block(request.block_hashes[num_hit_blocks])
 
     def _make_output(
         self,
         running: list[Request],
         waiting: list[Request],
         preempted: list[Request],
-        budget: _Budget,
+        budget: StepBudget,
     ) -> SchedulerOutput:
         # Invariant: a request scheduled from `running` already has a runner row (it got
         # one the step it was admitted), and one admitted from `waiting` has none (new, or
@@ -426,12 +356,12 @@ class Scheduler:
         if preempted:
             running = [r for r in running if r.status == RequestStatus.RUNNING]
         cached = CachedRequestData(
-            req_ids=list(map(_request_id, running)),
+            req_ids=list(map(request_id, running)),
             new_block_ids=budget.new_block_ids,
-            num_computed_tokens=list(map(_num_computed_tokens, running)),
+            num_computed_tokens=[r.num_computed_tokens for r in running],
         )
         get_block_ids = self.kv_cache_manager.get_block_ids
-        new_reqs = [_new_request_data(r, get_block_ids(r.request_id)) for r in waiting]
+        new_reqs = [new_request_data(r, get_block_ids(r.request_id)) for r in waiting]
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -439,27 +369,11 @@ class Scheduler:
             total_num_scheduled_tokens=sum(budget.scheduled.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
-            blocked_stop_token_ids=self._blocked_stop_tokens(budget.scheduled),
+            blocked_stop_token_ids=self._min_tokens.blocked_stop_tokens(budget.scheduled),
             filling_req_ids=list(budget.filling) if self.kv_cache_manager.enable_caching else [],
         )
         self.finished_req_ids = set()
         return output
-
-    def _blocked_stop_tokens(self, scheduled: dict[str, int]) -> dict[str, list[int]]:
-        blocked = {}
-        for req_id in self._min_tokens_pending:
-            request = self.requests[req_id]
-            params = request.sampling_params
-            if request.num_output_tokens >= params.min_tokens:
-                continue
-            if req_id in scheduled:
-                eos = () if params.ignore_eos else request.eos_token_ids
-                blocked[req_id] = [*eos, *params.stop_token_ids]
-        self._min_tokens_pending = {
-            r for r in self._min_tokens_pending
-            if self.requests[r].num_output_tokens < self.requests[r].sampling_params.min_tokens
-        }
-        return blocked
 
     # ------------------------------------------------------------------ update
     def update_from_output(
@@ -487,7 +401,7 @@ class Scheduler:
                 output.num_cached_tokens = max(request.num_cached_tokens, 0)
             # Most tokens neither stop nor reach a length cap: one set test, one compare.
             if token_id in request.stop_token_set or len(output_ids) >= request.max_output_tokens:
-                status = self._check_stop(request, token_id)
+                status = check_stop(request, token_id)
                 if status is not None:
                     request.status = status
                     output.finish_reason = status.finish_reason
@@ -512,20 +426,6 @@ class Scheduler:
             if request is not None and request.status is running:
                 self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens)
 
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        num_output = len(request.output_token_ids)
-        can_stop = num_output >= params.min_tokens and token_id in request.stop_token_set
-        if can_stop:
-            if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
-        # A length cap ends the request even before min_tokens: nothing runs past
-        # max_model_len.
-        if num_output >= request.max_output_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
-
     def make_stats(self) -> SchedulerStats:
         """The scheduler's state after a step, for the engine's statistics."""
         prefix = self.kv_cache_manager.prefix_cache_stats
@@ -542,45 +442,3 @@ class Scheduler:
             evicted_block_hashes=evicted,
         )
 
-
-def _new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
-    return NewRequestData(
-        req_id=request.request_id,
-        token_ids=list(request.all_token_ids),
-        num_prompt_tokens=request.num_prompt_tokens,
-        sampling_params=request.sampling_params,
-        block_ids=block_ids,
-        num_computed_tokens=request.num_computed_tokens,
-        is_resumed=request.num_preemptions > 0,
-    )
-
-
-class _Budget:
-    """The step's token budget and what has been taken from it."""
-
-    def __init__(self, tokens: int) -> None:
-        self.tokens = tokens
-        self.scheduled: dict[str, int] = {}
-        self.requests: dict[str, Request] = {}
-        # Blocks appended to a request's table this step (at most one allocation each).
-        self.new_block_ids: dict[str, list[int]] = {}
-        # Hashes of the full blocks computed this step; built when first needed.
-        self.in_flight_hashes: set[bytes] | None = None
-        # Requests whose tokens this step complete at least one block.
-        self.filling: dict[str, Request] = {}
-
-    def take_many(self, requests: list[Request], req_ids: list[str], num_tokens: list[int]) -> None:
-        self.tokens -= sum(num_tokens)
-        self.scheduled.update(zip(req_ids, num_tokens))
-        self.requests.update(zip(req_ids, requests))
-
-    def take(self, request: Request, num_tokens: int) -> None:
-        self.tokens -= num_tokens
-        self.scheduled[request.request_id] = num_tokens
-        self.requests[request.request_id] = request
-
-    def untake(self, request: Request) -> None:
-        self.tokens += self.scheduled.pop(request.request_id, 0)
-        self.requests.pop(request.request_id, None)
-        self.new_block_ids.pop(request.request_id, None)
-        self.filling.pop(request.request_id, None)

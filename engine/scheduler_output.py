@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvferry.engine.request import Request
 from kvferry.engine.sampling_params import SamplingParams
 
 
@@ -76,3 +77,16 @@ class ModelRunnerOutput:
     # Per sampled request: [(token_id, logprob, rank), ...] with the sampled token first,
     # then the top-N; None when no request asked for logprobs.
     logprobs: list[list[tuple[int, float, int]]] | None = None
+
+
+def new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
+    """What the runner needs to build a row for a request it does not hold."""
+    return NewRequestData(
+        req_id=request.request_id,
+        token_ids=list(request.all_token_ids),
+        num_prompt_tokens=request.num_prompt_tokens,
+        sampling_params=request.sampling_params,
+        block_ids=block_ids,
+        num_computed_tokens=request.num_computed_tokens,
+        is_resumed=request.num_preemptions > 0,
+    )
