@@ -96,6 +96,8 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     kv_transfer: KVTransferStats | None = None
     # Requests whose pull failed and were computed here instead (cumulative).
     num_kv_transfer_fallbacks: int = 0
+    # Requests parked while a pull fills their blocks (included in num_waiting_reqs).
+    num_waiting_for_remote_kv: int = 0
     # Block hashes the prefix cache started / stopped holding in this step (KV events;
     # a reader applies `evicted_block_hashes` first).
     stored_block_hashes: list[bytes] = msgspec.field(default_factory=list)

@@ -438,6 +438,8 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=self.num_preemptions,
             num_kv_transfer_fallbacks=0 if self.remote is None else self.remote.num_fallbacks,
+            num_waiting_for_remote_kv=(
+                0 if self.remote is None else len(self.remote.waiting_for_remote)),
             stored_block_hashes=stored,
             evicted_block_hashes=evicted,
         )

@@ -29,11 +29,14 @@ class KVTransferCollector(Collector):
         self.model_name = model_name
         self._stats: KVTransferStats | None = None
         self._num_fallbacks = 0
+        self._num_waiting_for_remote_kv = 0
 
-    def update(self, stats: KVTransferStats | None, num_fallbacks: int) -> None:
+    def update(self, stats: KVTransferStats | None, num_fallbacks: int,
+               num_waiting_for_remote_kv: int) -> None:
         if stats is not None:
             self._stats = stats
             self._num_fallbacks = num_fallbacks
+            self._num_waiting_for_remote_kv = num_waiting_for_remote_kv
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats
@@ -55,6 +58,12 @@ class KVTransferCollector(Collector):
                                  "KV blocks held for remote pulls", labels=labels)
         held.add_metric(values, s.blocks_held)
         yield held
+        # vLLM counts these in num_requests_waiting only; a stuck producer shows here.
+        waiting = GaugeMetricFamily("kvferry:num_requests_waiting_for_remote_kv",
+                                    "Requests whose blocks are allocated and wait for a pull",
+                                    labels=labels)
+        waiting.add_metric(values, self._num_waiting_for_remote_kv)
+        yield waiting
         yield _counter("kvferry:kv_lease_expirations",
                        "Holds ended because no pull or heartbeat came within the lease",
                        labels, values, s.lease_expirations)

@@ -50,7 +50,7 @@ class EngineMetrics:
         self.kv_transfer = KVTransferCollector(model_name)
         if kv_transfer_enabled:
             # Zeros from the start, so a rate() sees the first transfer.
-            self.kv_transfer.update(KVTransferStats(), 0)
+            self.kv_transfer.update(KVTransferStats(), 0, 0)
         self.registry.register(self.kv_transfer)
 
     def _labels(self) -> dict[str, str]:
@@ -129,7 +129,8 @@ class EngineMetrics:
         self.num_running.set(stats.num_running_reqs)
         self.num_waiting.set(stats.num_waiting_reqs)
         self.kv_cache_usage.set(stats.kv_cache_usage)
-        self.kv_transfer.update(stats.kv_transfer, stats.num_kv_transfer_fallbacks)
+        self.kv_transfer.update(stats.kv_transfer, stats.num_kv_transfer_fallbacks,
+                                stats.num_waiting_for_remote_kv)
         self._last_prefix_queries = _add_growth(
             self.prefix_cache_queries, stats.prefix_cache_queries, self._last_prefix_queries)
         self._last_prefix_hits = _add_growth(

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from holding_proxy import HoldingProxy
 from serve_helpers import ServerProcess
 
 # Children inherit this; UCX logs a line per refused connection otherwise.
@@ -283,6 +284,93 @@ def test_clients_cancelling_at_any_point_free_blocks_on_both_sides(trio: Trio) -
     assert wait_for(lambda: used_blocks(trio.prefill) == 0.0 and used_blocks(trio.decode) == 0.0,
                     15)
     assert trio.prefill.metric("kvferry:kv_blocks_held_for_transfer") == 0
+
+
+def waiting_for_remote_kv(server: ServerProcess) -> float:
+    return server.metric("kvferry:num_requests_waiting_for_remote_kv")
+
+
+def aborted(server: ServerProcess) -> float:
+    return server.metrics()['vllm:request_success_total{finished_reason="abort",model_name="tiny"}']
+
+
+def through(proxy: HoldingProxy, params: dict[str, Any]) -> dict[str, Any]:
+    """The params with the producer's side channel reached through the proxy."""
+    return dict(params, remote_host="127.0.0.1", remote_port=proxy.port)
+
+
+@contextlib.contextmanager
+def streamed_decode(server: ServerProcess, prompt: list[int],
+                    params: dict[str, Any]) -> Any:
+    """A streamed decode hop whose headers came back; leaving the block hangs up."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "kv_transfer_params": params}
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client, client.stream(
+            "POST", f"{server.url}/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        yield response
+
+
+def parked_behind(proxy: HoldingProxy, decode: ServerProcess, num_waiting: int = 1) -> bool:
+    """The decode request waits for remote KV and its pull's side-channel call is held."""
+    return wait_for(lambda: waiting_for_remote_kv(decode) == num_waiting
+                    and proxy.num_accepted >= 1)
+
+
+def test_a_client_hanging_up_during_the_pull_frees_blocks_on_both_sides(
+    server_factory: Callable[..., ServerProcess], tiny_model: Path, trio: Trio,
+) -> None:
+    # A lease far longer than the test: only the consumer's free can end the hold in time.
+    prefill = start_role(server_factory, tiny_model, "prefill", "--kv-lease-seconds", "60")
+    prompt = prompt_of(3 * BLOCK_SIZE + 5, 71)
+    start_prefill, start_decode = used_blocks(prefill), used_blocks(trio.decode)
+    aborts, pulled = aborted(trio.decode), bytes_pulled(trio.decode)
+    unreachable = failures(trio.decode, "producer_unreachable")
+    params = held_params(prefill, prompt)
+    with HoldingProxy(params["remote_port"]) as proxy:
+        with streamed_decode(trio.decode, prompt, through(proxy, params)):
+            assert parked_behind(proxy, trio.decode)
+            assert used_blocks(trio.decode) > start_decode
+        # Hung up while parked: the decode side frees its blocks without the producer.
+        assert wait_for(lambda: aborted(trio.decode) == aborts + 1)
+        assert wait_for(lambda: waiting_for_remote_kv(trio.decode) == 0
+                        and used_blocks(trio.decode) == start_decode)
+        assert prefill.metric("kvferry:kv_blocks_held_for_transfer") == 4
+        proxy.release()
+        # The consumer's free, held so far, reaches the producer: freed long before the lease.
+        assert wait_for(lambda: prefill.metric("kvferry:kv_blocks_held_for_transfer") == 0)
+        assert wait_for(lambda: used_blocks(prefill) == start_prefill)
+    assert prefill.metric("kvferry:kv_lease_expirations_total") == 0
+    # Cancelled, not failed: nothing was read, nothing counted as a failure.
+    assert bytes_pulled(trio.decode) == pulled
+    assert failures(trio.decode, "producer_unreachable") == unreachable
+    # Both still serve.
+    assert prefill_then_decode(Trio(prefill, trio.decode, trio.colocated), prompt)[0] == \
+        text_of(complete(trio.colocated, prompt, MAX_TOKENS))
+
+
+def test_decode_killed_during_its_pull_the_producer_frees_and_serves_on(
+    server_factory: Callable[..., ServerProcess], tiny_model: Path, trio: Trio,
+) -> None:
+    prefill = start_role(server_factory, tiny_model, "prefill", "--kv-lease-seconds", "1")
+    decode = start_role(server_factory, tiny_model, "decode")
+    prompt = prompt_of(2 * BLOCK_SIZE + 7, 81)
+    start = used_blocks(prefill)
+    params = held_params(prefill, prompt)
+    assert prefill.metric("kvferry:kv_blocks_held_for_transfer") == 3
+    with HoldingProxy(params["remote_port"]) as proxy:
+        with contextlib.suppress(httpx.HTTPError), \
+                streamed_decode(decode, prompt, through(proxy, params)):
+            assert parked_behind(proxy, decode)
+            kill_pod(decode)
+        # The calls the dead pod made are delivered late, renewals included.
+        proxy.release()
+        assert wait_for(lambda: used_blocks(prefill) == start)
+    assert prefill.metric("kvferry:kv_blocks_held_for_transfer") == 0
+    assert prefill.metric("kvferry:kv_lease_expirations_total") == 1
+    expected = text_of(complete(trio.colocated, prompt, MAX_TOKENS))
+    assert prefill_then_decode(Trio(prefill, trio.decode, trio.colocated), prompt)[0] == expected
+    assert wait_for(lambda: used_blocks(prefill) == start)
 
 
 # ---------------------------------------------------------------------------- roles
