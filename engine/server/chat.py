@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -190,7 +191,10 @@ async def stream_chat(job: ChatJob, request: Request) -> AsyncIterator[bytes]:
                         index=delta.index, delta=ChatDelta(content=delta.text),
                         logprobs=_logprobs(job, delta.token_ids, delta.logprobs),
                         finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
-                    yield sse(_chunk_json(job, [chunk], choices, body.continuous_usage))
+                    # A prefill hop's params ride on the chunk that finishes it.
+                    kv_params = output.kv_transfer_params if delta.finish_reason else None
+                    yield sse(_chunk_json(job, [chunk], choices, body.continuous_usage,
+                                          kv_params))
         if body.include_usage:
             yield sse(_chunk_json(job, [], choices, True))
     except (ValueError, RuntimeError, ApiError) as exc:
@@ -204,16 +208,17 @@ async def stream_chat(job: ChatJob, request: Request) -> AsyncIterator[bytes]:
 
 
 def _chunk_json(job: ChatJob, chunk_choices: list[ChatChunkChoice], choices: list[ChoiceState],
-                with_usage: bool) -> str:
+                with_usage: bool, kv_transfer_params: dict[str, Any] | None = None) -> str:
     usage = None
     if with_usage:
         usage = UsageInfo.of(job.record.num_prompt_tokens,
                              sum(len(c.token_ids) for c in choices))
-    if usage is None and len(chunk_choices) == 1 and chunk_choices[0].logprobs is None \
-            and chunk_choices[0].delta.role is None:
+    if usage is None and kv_transfer_params is None and len(chunk_choices) == 1 \
+            and chunk_choices[0].logprobs is None and chunk_choices[0].delta.role is None:
         return _content_chunk_json(job, chunk_choices[0])
     chunk = ChatCompletionChunk(id=job.response_id, created=job.created, model=job.model,
-                                choices=chunk_choices, usage=usage)
+                                choices=chunk_choices, usage=usage,
+                                kv_transfer_params=kv_transfer_params)
     return chunk.model_dump_json()
 
 

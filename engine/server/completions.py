@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -192,7 +193,11 @@ async def stream_completion(job: CompletionJob, request: Request) -> AsyncIterat
                     chunk = CompletionChoice(
                         index=job.choice_index(*key), text=text, logprobs=logprobs,
                         finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
-                    yield sse(_chunk_json(job, [chunk], choices, body.continuous_usage))
+                    # A prefill hop's params ride on the chunk that finishes it, as vLLM's
+                    # streaming proxies read them.
+                    kv_params = output.kv_transfer_params if delta.finish_reason else None
+                    yield sse(_chunk_json(job, [chunk], choices, body.continuous_usage,
+                                          kv_params))
         if body.include_usage:
             yield sse(_chunk_json(job, [], choices, True))
     except (ValueError, RuntimeError, ApiError) as exc:
@@ -206,15 +211,18 @@ async def stream_completion(job: CompletionJob, request: Request) -> AsyncIterat
 
 
 def _chunk_json(job: CompletionJob, chunk_choices: list[CompletionChoice],
-                choices: dict[tuple[int, int], ChoiceState], with_usage: bool) -> str:
+                choices: dict[tuple[int, int], ChoiceState], with_usage: bool,
+                kv_transfer_params: dict[str, Any] | None = None) -> str:
     usage = None
     if with_usage:
         num_output = sum(len(c.token_ids) for c in choices.values())
         usage = UsageInfo.of(job.record.num_prompt_tokens, num_output)
-    if usage is None and len(chunk_choices) == 1 and chunk_choices[0].logprobs is None:
+    if usage is None and kv_transfer_params is None and len(chunk_choices) == 1 \
+            and chunk_choices[0].logprobs is None:
         return _text_chunk_json(job, chunk_choices[0])
     response = CompletionResponse(id=job.response_id, created=job.created, model=job.model,
-                                  choices=chunk_choices, usage=usage)
+                                  choices=chunk_choices, usage=usage,
+                                  kv_transfer_params=kv_transfer_params)
     return response.model_dump_json()
 
 

@@ -359,6 +359,16 @@ class ChatCompletionChunk(OpenAIModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    # On the finishing chunk of a streamed prefill hop: the params the decode hop must carry.
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_params(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Chunks of every other stream keep the OpenAI shape.
+        data = handler(self)
+        if data.get("kv_transfer_params") is None:
+            data.pop("kv_transfer_params", None)
+        return data
 
 
 class ModelCard(OpenAIModel):

@@ -373,6 +373,65 @@ def test_decode_killed_during_its_pull_the_producer_frees_and_serves_on(
     assert wait_for(lambda: used_blocks(prefill) == start)
 
 
+def streamed_chunks(server: ServerProcess, path: str, body: dict[str, Any]) -> list[dict]:
+    """Every data chunk of a streamed response, parsed."""
+    chunks = []
+    with httpx.stream("POST", f"{server.url}{path}", json={**body, "stream": True},
+                      timeout=REQUEST_TIMEOUT_S) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[len("data: "):]))
+    return chunks
+
+
+def params_of_stream(chunks: list[dict]) -> dict[str, Any]:
+    """The params of a streamed prefill hop: on its finishing chunk, and only there."""
+    carrying = [c for c in chunks if c.get("kv_transfer_params")]
+    assert len(carrying) == 1, chunks
+    assert carrying[0]["choices"][0]["finish_reason"] == "length"
+    return carrying[0]["kv_transfer_params"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_streamed_prefill_hop_returns_the_params(trio: Trio, path: str) -> None:
+    prompt = prompt_of(4 * BLOCK_SIZE + 9, 91)
+    if path == "/v1/completions":
+        body: dict[str, Any] = {"prompt": prompt}
+    else:
+        words = " ".join(f"w{t}" for t in prompt)
+        body = {"messages": [{"role": "user", "content": words}]}
+    body.update(model="tiny", temperature=0.0, ignore_eos=True)
+    expected = httpx.post(f"{trio.colocated.url}{path}", json={**body, "max_tokens": MAX_TOKENS},
+                          timeout=REQUEST_TIMEOUT_S)
+    assert expected.status_code == 200, expected.text
+    whole = httpx.post(f"{trio.prefill.url}{path}", json={
+        **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+        timeout=REQUEST_TIMEOUT_S).json()["kv_transfer_params"]
+    params = params_of_stream(streamed_chunks(trio.prefill, path, {
+        **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}))
+    # The shape of the non-streamed response's params.
+    assert set(params) == set(whole) and params["do_remote_prefill"] is True
+    assert params["remote_request_id"] != whole["remote_request_id"]
+    for hop_params in (params, whole):
+        before = bytes_pulled(trio.decode)
+        decoded = httpx.post(f"{trio.decode.url}{path}", json={
+            **body, "max_tokens": MAX_TOKENS, "kv_transfer_params": hop_params},
+            timeout=REQUEST_TIMEOUT_S)
+        assert decoded.status_code == 200, decoded.text
+        choice, wanted = decoded.json()["choices"][0], expected.json()["choices"][0]
+        assert choice.get("text", choice.get("message")) == \
+            wanted.get("text", wanted.get("message"))
+        # The first hop pulls the blocks of every prompt token but the last; the second
+        # finds the full ones in the decode pod's prefix cache and pulls the partial one.
+        num_tokens = params["kvferry_num_tokens"] - 1
+        num_blocks = -(-num_tokens // BLOCK_SIZE) if hop_params is params else 1
+        assert num_tokens % BLOCK_SIZE
+        assert bytes_pulled(trio.decode) - before == num_blocks * BLOCK_BYTES
+    assert wait_for(lambda: used_blocks(trio.prefill) == 0.0 and used_blocks(trio.decode) == 0.0)
+    assert trio.prefill.metric("kvferry:kv_blocks_held_for_transfer") == 0
+
+
 # ---------------------------------------------------------------------------- roles
 def test_role_both_with_kv_transfer_takes_either_kind_of_params(
     server_factory: Callable[..., ServerProcess], tiny_model: Path, trio: Trio,
