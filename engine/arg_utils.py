@@ -1,10 +1,50 @@
-"""Engine flags shared by the command lines that start an engine, in vLLM's spelling."""
+"""Engine flags shared by the command lines that start an engine, in vLLM's spelling.
+
+Some defaults depend on the pod's part in disaggregated serving (`kvferry serve --role`); a
+flag given on the command line (or rendered by the operator from the service's spec)
+always wins over them.
+"""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from kvferry.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class RoleDefaults:
+    """Scheduler defaults of one role."""
+
+    # Tokens computed per step.
+    max_num_batched_tokens: int
+
+
+# - prefill pods run prompts and nothing else: a large budget computes whole long prompts in
+#   one step (throughput and time to first token; no decode waits behind them);
+# - decode pods mostly decode (one token per request per step) and compute a prompt only to
+#   recompute a failed pull: a small budget bounds how long such a prompt can stall every
+#   running request's next token, and with max_num_seqs running it still leaves half the
+#   budget for that prompt's chunks;
+# - a colocated pod balances both, as a vLLM server does by default.
+# max_num_seqs (256) stays the same everywhere: a prefill pod's requests leave after one
+# step, and a decode pod's concurrency is bounded by its KV memory rather than by it.
+ROLE_DEFAULTS = {
+    "both": RoleDefaults(max_num_batched_tokens=2048),
+    "prefill": RoleDefaults(max_num_batched_tokens=8192),
+    "decode": RoleDefaults(max_num_batched_tokens=512),
+}
+
+
+def role_defaults(role: str) -> RoleDefaults:
+    """The defaults of a `--role`; roles without their own take `both`'s."""
+    return ROLE_DEFAULTS.get(role, ROLE_DEFAULTS["both"])
+
+
+def _per_role_help(field: str) -> str:
+    values = ", ".join(f"{role} {getattr(d, field)}" for role, d in ROLE_DEFAULTS.items())
+    return f"default by --role: {values}"
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,15 +69,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="CPU: bytes for the KV cache (default 1 GiB)")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     group.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    group.add_argument("--max-num-seqs", type=int, default=256)
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="tokens computed per step, prefill chunks and decodes together "
+                            f"({_per_role_help('max_num_batched_tokens')})")
     group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     group.add_argument("--attention-backend", default="torch", choices=["torch"])
     group.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Builds (and so validates) the engine config from parsed flags."""
+    """Builds (and so validates) the engine config from parsed flags.
+
+    Flags left unset take their role's default (`args.role`; `both` without one).
+    """
+    defaults = role_defaults(getattr(args, "role", "both"))
     return EngineConfig(
         model=ModelConfig(
             model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
@@ -53,9 +99,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_batched_tokens=_given_or(args.max_num_batched_tokens,
+                                             defaults.max_num_batched_tokens),
             policy=args.scheduling_policy,
         ),
         attention_backend=args.attention_backend,
         device=args.device,
     )
+
+
+def _given_or(value: int | None, default: int) -> int:
+    return default if value is None else value

@@ -22,6 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "operator"))
 from operator_factories import EXAMPLES, load_example, random_spec, service  # noqa: E402
 
 
+# Per-step token budgets `kvferry serve` defaults to by role (README, --help).
+ROLE_BATCHED_TOKENS = {"both": 2048, "prefill": 8192, "decode": 512}
+
+
 def engine_containers(manifest: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, str]]]:
     """(engine container, its ConfigMap's data) of every engine Deployment."""
     children = render_children(parse_spec(manifest))
@@ -71,7 +75,10 @@ def check_rendered(manifest: dict[str, Any]) -> int:
         assert args.max_model_len == spec.model.max_model_len
         assert args.enable_prompt_embeds == spec.engine.enable_prompt_embeds
         assert args.enable_prefix_caching  # on unless --no-enable-prefix-caching
-        engine_config_from_args(args)  # the engine's own validation accepts the values
+        config = engine_config_from_args(args)  # the engine's own validation accepts them
+        # The spec's budget when it sets one, else the role's default.
+        assert config.scheduler.max_num_batched_tokens == (
+            spec.engine.max_num_batched_tokens or ROLE_BATCHED_TOKENS.get(args.role, 2048))
         environment = pod_environment(pod_env(container, config_map))
         assert environment.model_type == spec.model.type
         assert environment.service == spec.name
@@ -161,3 +168,42 @@ def test_kv_transfer_config_per_role() -> None:
                           "--kv-failure-policy", "recompute"])
     config = kv_transfer_config(decode, None, 12, "fail", None)
     assert (config.side_channel_port, config.lease_s, config.failure_policy) == (0, 3, "recompute")
+
+
+def batched_tokens(argv: list[str]) -> int:
+    return engine_config_from_args(parse_serve(argv)).scheduler.max_num_batched_tokens
+
+
+def test_role_defaults_apply_per_role_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = ["kvferry", "serve", "--model", "demo"]
+    monkeypatch.delenv("KVFERRY_ROLE", raising=False)
+    assert batched_tokens(base) == 2048
+    assert batched_tokens([*base, "--role", "both"]) == 2048
+    assert batched_tokens([*base, "--role", "prefill"]) == 8192
+    assert batched_tokens([*base, "--role", "decode"]) == 512
+    for role in ("both", "prefill", "decode"):
+        assert batched_tokens([*base, "--role", role, "--max-num-batched-tokens", "1000"]) == 1000
+        # Given before the role, too.
+        assert batched_tokens([*base, "--max-num-batched-tokens", "3000", "--role", role]) == 3000
+    # The role from the pod environment brings its defaults with it.
+    monkeypatch.setenv("KVFERRY_ROLE", "decode")
+    assert batched_tokens(base) == 512
+    assert batched_tokens([*base, "--role", "prefill"]) == 8192
+
+
+def test_help_lists_the_role_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_serve(["kvferry", "serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default by --role: both 2048, prefill 8192, decode 512" in text
+
+
+def test_rendered_pools_take_their_role_defaults_unless_the_spec_sets_a_budget() -> None:
+    manifest = load_example(next(p for p in EXAMPLES if p.stem == "demo"))
+    roles = {parse_serve(c["args"]).role: batched_tokens(c["args"])
+             for c, _ in engine_containers(manifest)}
+    assert roles == {"prefill": 8192, "decode": 512}
+    manifest["spec"]["engine"]["maxNumBatchedTokens"] = 4096
+    roles = {parse_serve(c["args"]).role: batched_tokens(c["args"])
+             for c, _ in engine_containers(manifest)}
+    assert roles == {"prefill": 4096, "decode": 4096}
