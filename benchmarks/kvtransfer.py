@@ -7,6 +7,13 @@ one whole block) it measures, interleaved trial by trial:
 
 - copy: one memcpy (`numpy.copyto`, a single thread) of the same bytes (the pulled blocks)
   into a second span of this process's cache: the bound to compare with;
+- copy in 16 MiB chunks: the same copy as memcpy calls of 16 MiB. A reference only (the
+  ratios stay against the whole copy): glibc's memcpy switches to non-temporal stores above
+  `glibc.cpu.x86_non_temporal_threshold` (derived from the L3 size it detects: 181 MiB on
+  the 2-core VM that reports a 482 MiB L3; `ld.so --list-tunables` prints it), and those
+  stores skip reading the destination into the cache first. The kernel's copy in process_vm_readv never does (it is `rep movsb` with normal
+  stores), so above that threshold the whole copy moves a third less memory traffic than
+  any single-copy CMA read can, and the chunked copy shows what the same stores cost;
 - cma: one `process_vm_readv` of the same bytes from the producer's address space, the
   kernel's single-copy path that UCX's CMA transport uses for a READ on one host: what
   NIXL itself could reach here (the kernel pins each 4 KiB page before copying it);
@@ -32,6 +39,16 @@ transports, which cannot detect a failed peer, and `--ucx-error-mode peer` shows
     python benchmarks/kvtransfer.py [--sizes-mb 1 8 64 512] [--trials 5] [--ucx-error-mode none]
 
 The last line is one JSON object; `ratio_64MB` is pull GB/s / copy GB/s at 64 MB.
+
+What the figures showed (2 shared cores): the pull runs at the CMA read's speed at every
+size (`pull_vs_cma` about 1.0), so NIXL and the descriptors add nothing measurable; at 64
+MB the copy and the read both run out of the L3 cache and the pull is 0.8-1.0 of the copy;
+at 512 MB the copy switches to non-temporal stores (about 11-12 GB/s against 6-7 at 64 MB)
+while the read cannot, and the pull drops to about 0.5 of it but stays about 1.0 of the
+chunked copy. Splitting the READ across NIXL's UCX thread pool (`num_threads`, descriptors
+split between threads) made it slower here: the threads only contend for the same two
+cores. A read faster than one kernel copy needs a transport that maps the producer's
+memory (xpmem, knem) or several cores to spare.
 """
 
 from __future__ import annotations
@@ -68,6 +85,7 @@ DTYPE = torch.bfloat16
 LAYER_BLOCK_BYTES = 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_SIZE * DTYPE.itemsize
 BLOCK_BYTES = NUM_LAYERS * LAYER_BLOCK_BYTES
 MB = 1 << 20
+CHUNK_COPY_BYTES = 16 * MB
 
 
 # ---------------------------------------------------------------------- caches
@@ -187,6 +205,8 @@ def producer_teardown(state: dict[str, Any]) -> None:
 @dataclass
 class Trials:
     copy_s: list[float]
+    # The same copy in memcpy calls of CHUNK_COPY_BYTES (normal stores, like the kernel's).
+    chunked_copy_s: list[float]
     cma_s: list[float]
     cross_s: list[float]
     layer_s: list[float]
@@ -230,6 +250,15 @@ def timed_cma(pid: int, remote_addr: int, dst: np.ndarray) -> float:
 def timed_copy(dst: np.ndarray, src: np.ndarray) -> float:
     start = time.perf_counter()
     np.copyto(dst, src)
+    return time.perf_counter() - start
+
+
+def timed_chunked_copy(dst: np.ndarray, src: np.ndarray) -> float:
+    """The copy as memcpy calls of CHUNK_COPY_BYTES, each below glibc's non-temporal threshold."""
+    start = time.perf_counter()
+    for offset in range(0, src.nbytes, CHUNK_COPY_BYTES):
+        end = offset + CHUNK_COPY_BYTES
+        np.copyto(dst[offset:end], src[offset:end])
     return time.perf_counter() - start
 
 
@@ -287,10 +316,11 @@ def measure_size(conn: Any, producer_pid: int, size_mb: int, trials: int, ucx_er
         timed_read(cross.backend, cross.remote, cross_reads)
         timed_read(layer.backend, layer.remote, layer_reads)
         connector_pull(conn, consumer, f"{size_mb}-warmup", remote_ids, local_ids)
-        results = Trials([], [], [], [], [], [])
+        results = Trials([], [], [], [], [], [], [])
         remote_span = side.cross_region.base_addr + BLOCK_BYTES
         for trial in range(trials):
             results.copy_s.append(timed_copy(copy_np, pulled_np))
+            results.chunked_copy_s.append(timed_chunked_copy(copy_np, pulled_np))
             results.cma_s.append(timed_cma(producer_pid, remote_span, pulled_np))
             results.cross_s.append(timed_read(cross.backend, cross.remote, cross_reads))
             results.layer_s.append(timed_read(layer.backend, layer.remote, layer_reads))
@@ -363,10 +393,12 @@ def summarize(size_mb: int, num_blocks: int, t: Trials, descriptors: dict[str, i
     return {
         "size_mb": size_mb, "blocks": num_blocks, "bytes": num_bytes,
         "copy_gbps": round(copy, 3),
+        "chunked_copy_gbps": round(gbps(t.chunked_copy_s), 3),
         "cma_gbps": round(gbps(t.cma_s), 3),
         "pull_gbps": round(gbps(t.cross_s), 3),
         "pull_ratio": round(gbps(t.cross_s) / copy, 3),
         "pull_vs_cma": round(gbps(t.cross_s) / gbps(t.cma_s), 3),
+        "pull_vs_chunked_copy": round(gbps(t.cross_s) / gbps(t.chunked_copy_s), 3),
         "descriptors": descriptors["cross"],
         "per_layer_gbps": round(gbps(t.layer_s), 3),
         "per_layer_ratio": round(gbps(t.layer_s) / copy, 3),
@@ -379,9 +411,9 @@ def summarize(size_mb: int, num_blocks: int, t: Trials, descriptors: dict[str, i
 
 def print_row(r: dict[str, Any]) -> None:
     print(f"{r['size_mb']:>5} MB {r['blocks']:>4} blocks | copy {r['copy_gbps']:6.2f} GB/s | "
-          f"cma {r['cma_gbps']:6.2f} GB/s | "
+          f"chunked copy {r['chunked_copy_gbps']:6.2f} GB/s | cma {r['cma_gbps']:6.2f} GB/s | "
           f"pull {r['pull_gbps']:6.2f} GB/s ({r['pull_ratio']:.2f} of copy, "
-          f"{r['pull_vs_cma']:.2f} of cma, "
+          f"{r['pull_vs_cma']:.2f} of cma, {r['pull_vs_chunked_copy']:.2f} of chunked copy, "
           f"{r['descriptors']} descs) | per-layer {r['per_layer_gbps']:6.2f} GB/s "
           f"({r['per_layer_ratio']:.2f}, {r['per_layer_descriptors']} descs) | "
           f"connector {r['connector_ms']:.2f} ms ({r['connector_gbps']:.2f} GB/s, its read "
