@@ -200,25 +200,37 @@ def test_requests_held_by_prefill_together_spread_over_the_decode_pods(
     router = router_process(tmp_path, redis_url, SERVICE,
                             env={"KVFERRY_ROUTING_DECODE": "least-loaded"})
     decodes = ("decode-0", "decode-1")
+    pods = ("prefill-0", *decodes)
     try:
         wait_pools(router, {"decode": list(decodes), "prefill": ["prefill-0"]})
-        before = {pod: len(received(pd[pod])) for pod in ("prefill-0", *decodes)}
-        set_behaviour(pd["prefill-0"], "hold")
+        before = {pod: len(received(pd[pod])) for pod in pods}
+        for pod in pods:  # every pod holds what it gets, so each hop's load stays counted
+            set_behaviour(pd[pod], "hold")
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(client(router).completions.create, model="fake",
                                    prompt=LONG_PROMPT) for _ in range(4)]
-            deadline = time.monotonic() + 10
-            while len(received(pd["prefill-0"])) < before["prefill-0"] + 4:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_received(pd, ("prefill-0",), before, 4)
             set_behaviour(pd["prefill-0"], "ok")
+            wait_received(pd, decodes, before, 4)
+            decoded = {pod: len(received(pd[pod])) - before[pod] for pod in decodes}
+            for pod in decodes:
+                set_behaviour(pd[pod], "ok")
             texts = [future.result().choices[0].text for future in futures]
     finally:
-        set_behaviour(pd["prefill-0"], "ok")
+        for pod in pods:
+            set_behaviour(pd[pod], "ok")
         router.stop()
     assert texts == [" a b c"] * 4
-    decoded = {pod: len(received(pd[pod])) - before[pod] for pod in decodes}
     assert decoded == {"decode-0": 2, "decode-1": 2}, decoded
+
+
+def wait_received(pd: dict[str, Proc], pods: tuple[str, ...], before: dict[str, int],
+                  num: int) -> None:
+    """Until `pods` together received `num` more requests than `before`."""
+    deadline = time.monotonic() + 10
+    while sum(len(received(pd[pod])) - before[pod] for pod in pods) < num:
+        assert time.monotonic() < deadline, [received(pd[pod]) for pod in pods]
+        time.sleep(0.02)
 
 
 def test_requests_while_the_prefill_pool_is_down_are_counted_as_fallbacks(
