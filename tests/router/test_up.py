@@ -1,5 +1,6 @@
-"""`kvferry up` of a real service (demo model, two engine pods, prefix-aware routing): the
-official openai client through the router gets what a single server gives."""
+"""`kvferry up` of real services (demo model): two engine pods with prefix-aware routing, and
+one prefill with two decode pods. The official openai client through the router gets what a
+single server gives, also while pods are killed under it."""
 
 from __future__ import annotations
 
