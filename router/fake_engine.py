@@ -5,8 +5,9 @@
 registers in the pod registry like `kvferry serve`, and plays a prefill pod's part: given
 `kv_transfer_params: {"do_remote_decode": true}` it returns transfer params naming itself.
 `GET /fake/requests` lists the bodies it received; `POST /fake/behaviour` with
-`{"behaviour": "ok" | "refuse" | "cut" | "hang"}` makes it answer 503, cut streams after one
-chunk, or never answer.
+`{"behaviour": "ok" | "refuse" | "cut" | "drop" | "hang" | "hold"}` makes it answer 503, cut
+streams after one chunk or before the first, never answer, or hold requests until the
+behaviour changes and then answer them.
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ class FakeEngine:
             await _send(send, 404, b'{"error": {"message": "not found"}}')
 
     async def _generate(self, path: str, body: dict[str, Any], send: Send) -> None:
+        if self.behaviour == "hold":
+            # A slow pod: the requests pile up, then all go on at once.
+            self.received.append(body)
+            await self._behaviour_changed.wait()
+            await self._answer(path, body, send)
+            return
         if self.behaviour == "refuse":
             await _send(send, 503, b'{"error": {"message": "refusing"}}')
             return
@@ -73,6 +80,9 @@ class FakeEngine:
             await _send(send, 503, b'{"error": {"message": "was stuck"}}')
             return
         self.received.append(body)
+        await self._answer(path, body, send)
+
+    async def _answer(self, path: str, body: dict[str, Any], send: Send) -> None:
         chat = path.endswith("chat/completions")
         if body.get("stream"):
             await self._stream(chat, send)
@@ -104,7 +114,7 @@ class FakeEngine:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
         for i, token in enumerate(TOKENS):
-            if self.behaviour == "cut" and i == 1:
+            if (self.behaviour, i) in (("cut", 1), ("drop", 0)):
                 raise ConnectionError("fake engine cut the stream")  # uvicorn drops the socket
             delta = {"delta": {"content": token}} if chat else {"text": token}
             chunk = {"id": "cmpl-fake", "choices": [{"index": 0, **delta}]}

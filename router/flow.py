@@ -32,7 +32,7 @@ from kvferry.router.hops import (
 from kvferry.router.kv_events import KVEventReader
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.pods import Pod, PodDirectory
-from kvferry.router.policies import Choice, make_policy
+from kvferry.router.policies import Choice, Policy, PrefixAware, make_policy
 from kvferry.router.prefix_index import PrefixIndex, prompt_block_hashes
 
 logger = logging.getLogger("kvferry.router")
@@ -74,8 +74,6 @@ class Router:
         self.policies = {pool: make_policy(name, self.index)
                          for pool, name in settings.policies.items()}
         self.client = make_client(settings.timeouts)
-        # Pools that had live pods once: an empty prefill pool then means "down".
-        self._pools_seen: set[str] = set()
 
     async def start(self) -> None:
         self.pods.start()
@@ -91,32 +89,37 @@ class Router:
     async def generate(self, endpoint: str, body: dict[str, Any], request_id: str) -> Answer:
         """Runs one /v1/completions or /v1/chat/completions request through the pools."""
         body.pop(KV_TRANSFER_FIELD, None)
-        self._pools_seen.update(p for p, names in self.pods.pools().items() if names)
         prompt = await self._prompt(endpoint, body)
         # An encoder hop (encoder-decoder models) goes here, before prefill: it will run the
         # encoder pool's pod and add its own transfer params for the prefill pod to pull.
-        decode = self._choose("decode", prompt)
+        decode = self._cache_choice(prompt)
         params = await self._maybe_prefill(endpoint, body, prompt, decode, request_id)
         if params is not None:
             body = {**body, KV_TRANSFER_FIELD: params}
+            # Loads seen before the prefill hop are stale by now (requests that came
+            # meanwhile saw the same ones): the decode pod is chosen when the hop goes.
+            decode = None
         answer = await self._decode(endpoint, body, prompt, decode, request_id)
         return answer
 
     # ------------------------------------------------------------------ choosing pods
-    def _choose(self, pool: str, prompt: Prompt) -> Choice | None:
-        """The policy's first choice in `pool` (None when the pool is empty)."""
-        pods = self.pods.pool(pool)
-        if not pods:
+    def _cache_choice(self, prompt: Prompt) -> Choice | None:
+        """The decode pod a prefix-aware policy picks for the prompt, whose cached blocks may
+        make the prefill hop unneeded; None for other policies (they predict no hits, and
+        choose when the decode hop goes) or an empty pool. Counted as chosen only if used."""
+        policy = self._policy("decode")
+        pods = self.pods.pool("decode")
+        if not isinstance(policy, PrefixAware) or not pods:
             return None
-        return self._policy_choice(pool, pods, prompt)
+        return policy.choose(pods, prompt.block_hashes)
 
-    def _policy_choice(self, pool: str, pods: list[Pod], prompt: Prompt) -> Choice:
-        policy = self.policies.get(pool) or self.policies["decode"]
-        choice = policy.choose(pods, prompt.block_hashes)
-        self.metrics.pod_chosen.labels(pool, policy.name, choice.pod.name).inc()
+    def _policy(self, pool: str) -> Policy:
+        return self.policies.get(pool) or self.policies["decode"]
+
+    def _count_choice(self, pool: str, choice: Choice) -> None:
+        self.metrics.pod_chosen.labels(pool, self._policy(pool).name, choice.pod.name).inc()
         if choice.predicted_hit_tokens:
             self.metrics.predicted_hit_tokens.labels(pool).inc(choice.predicted_hit_tokens)
-        return choice
 
     def _chooser(self, pool: str, prompt: Prompt, first: Choice | None) -> Chooser:
         """Hands out `first` once, then policy choices among the pods not tried yet."""
@@ -124,9 +127,12 @@ class Router:
 
         def choose(candidates: list[Pod]) -> Choice:
             if pending and pending[0].pod in candidates:
-                return pending.pop()
-            pending.clear()
-            return self._policy_choice(pool, candidates, prompt)
+                choice = pending.pop()
+            else:
+                pending.clear()
+                choice = self._policy(pool).choose(candidates, prompt.block_hashes)
+            self._count_choice(pool, choice)
+            return choice
 
         return choose
 
@@ -177,7 +183,7 @@ class Router:
         """Runs the prefill hop when it pays; its kv_transfer_params, or None to let the
         decode pod compute the prompt itself."""
         if not self.pods.pool("prefill"):
-            if "prefill" in self._pools_seen:
+            if "prefill" in self.pods.seen_pools:
                 self.metrics.prefill_fallbacks.labels("no_live_prefill_pod").inc()
             return None
         if self._is_short(prompt, decode):
@@ -240,8 +246,10 @@ class Router:
         return await self._relay(answer)
 
     def can_relay_raw(self, raw: bytes) -> bool:
-        """True when the body can go to a decode pod untouched (the fast path)."""
-        return KV_TRANSFER_FIELD.encode() not in raw and not self._needs_tokens()
+        """True when the body can go to a decode pod untouched (the fast path). Never with a
+        prefill pool, even one that is down: that request is a fallback, and is counted."""
+        return (KV_TRANSFER_FIELD.encode() not in raw and not self._needs_tokens()
+                and "prefill" not in self.pods.seen_pools)
 
     async def _relay(self, answer: HopResponse) -> Answer:
         response = answer.response
@@ -259,6 +267,8 @@ class Router:
     async def _stream(self, answer: HopResponse) -> AsyncGenerator[bytes, None]:
         """The decode pod's SSE chunks as they come; an error event if it dies mid-way."""
         try:
+            if answer.first_chunk:
+                yield answer.first_chunk
             async for chunk in answer.response.content.iter_any():
                 yield chunk
         except TRANSPORT_ERRORS as exc:

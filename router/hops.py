@@ -1,8 +1,9 @@
 """Sending one hop of a request to a pod, with one retry on another pod of the same pool.
 
-A hop is retried when its pod refuses the connection, times out before answering, or
-answers 429/5xx: in each case the client has seen nothing yet. Once the answer's headers
-are in, the router is committed to that pod.
+A hop is retried when its pod refuses the connection, times out before answering, answers
+429/5xx, or drops a stream before its first chunk: in each case the client has seen nothing
+yet. Once a whole answer's headers, or a stream's first chunk, are in, the router is
+committed to that pod.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class HopResponse:
     pod: Pod
     response: aiohttp.ClientResponse
     choice: Choice
+    # A stream's first bytes, read before committing to the pod (b"" for a whole answer).
+    first_chunk: bytes = b""
 
 
 # What a pod that is down or stuck raises: refused/reset connections, timeouts.
@@ -112,9 +115,29 @@ async def _try_pod(client: aiohttp.ClientSession, pods: PodDirectory, metrics: R
             pods.mark_failed(pod)
         metrics.hop_requests.labels(hop, str(response.status)).inc()
         return None, f"pod {pod.name} answered {response.status}: {detail}"
+    try:
+        first_chunk = await _first_chunk(response)
+    except TRANSPORT_ERRORS as exc:
+        response.close()
+        pod.num_routed -= 1
+        pods.mark_failed(pod)
+        metrics.hop_requests.labels(hop, "unreachable").inc()
+        return None, f"pod {pod.name} failed before its first chunk: {type(exc).__name__}: {exc}"
     metrics.hop_requests.labels(hop, str(response.status)).inc()
     # The caller releases the response, and `release` undoes num_routed then.
-    return HopResponse(pod, response, choice), ""
+    return HopResponse(pod, response, choice, first_chunk), ""
+
+
+async def _first_chunk(response: aiohttp.ClientResponse) -> bytes:
+    """A stream's first bytes; b"" for a whole answer.
+
+    An engine sends a stream's headers as soon as it takes the request, then nothing until
+    the first token: a pod that dies while the request waits in its queue or pulls its KV
+    must cost a retry on another pod, not the client's answer.
+    """
+    if not response.headers.get("content-type", "").startswith("text/event-stream"):
+        return b""
+    return await response.content.readany()
 
 
 def release(answer: HopResponse) -> None:

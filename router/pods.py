@@ -61,6 +61,8 @@ class PodDirectory:
         self._failed_until: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
         self.is_connected = False
+        # Pools that have had a live pod since the router started: an empty one is down.
+        self.seen_pools: set[str] = set()
         # Called with a pod's name when it leaves (its caches are gone with it).
         self.on_leave: list[Callable[[str], None]] = []
 
@@ -114,6 +116,7 @@ class PodDirectory:
                 logger.info("pod %s joined the %s pool (%s)", name, ROLE_POOL.get(record.role),
                             record.url)
                 self._pods[name] = Pod(record)
+                self.seen_pools.add(self._pods[name].pool)
             else:
                 pod.record = record
 

@@ -74,7 +74,10 @@ class PrefixAware:
         return Choice(best, matched[best.name] * best.record.block_size)
 
 
-def make_policy(name: str, index: PrefixIndex) -> RoundRobin | LeastLoaded | PrefixAware:
+Policy = RoundRobin | LeastLoaded | PrefixAware
+
+
+def make_policy(name: str, index: PrefixIndex) -> Policy:
     if name == "round-robin":
         return RoundRobin()
     if name == "least-loaded":

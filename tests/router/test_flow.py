@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import time
 from collections.abc import Iterator
@@ -170,6 +171,87 @@ def test_decode_dying_mid_stream_ends_with_an_error_event(pd: dict[str, Proc]) -
     assert json.loads(events[0][6:])["choices"][0]["text"] == " a"
     assert json.loads(events[-2][6:])["error"]["code"] == "bad_gateway"
     assert events[-1] == "data: [DONE]"
+
+
+def test_a_stream_dropped_before_its_first_chunk_is_retried_on_the_other_pod(
+        pd: dict[str, Proc], tmp_path: Path, redis_url: str) -> None:
+    """An engine sends a stream's headers when it takes the request: a pod that dies before
+    the first token leaves the router free to go elsewhere, the client having seen nothing."""
+    # A router of its own: no pod set aside by earlier tests, so round robin tries decode-0.
+    router = router_process(tmp_path, redis_url, SERVICE,
+                            env={"KVFERRY_ROUTING_DECODE": "round-robin"})
+    set_behaviour(pd["decode-0"], "drop")
+    try:
+        wait_pools(router, {"decode": ["decode-0", "decode-1"], "prefill": ["prefill-0"]})
+        texts = [[c.choices[0].text for c in client(router).completions.create(
+            model="fake", prompt="p", stream=True)] for _ in range(4)]
+        assert texts == [[" a", " b", " c"]] * 4
+        assert metric(router, "kvferry:router_retries_total", hop="decode") >= 1
+        assert metric(router, "kvferry:router_stream_errors_total") == 0
+    finally:
+        set_behaviour(pd["decode-0"], "ok")
+        router.stop()
+
+
+def test_requests_held_by_prefill_together_spread_over_the_decode_pods(
+        pd: dict[str, Proc], tmp_path: Path, redis_url: str) -> None:
+    """The decode pod is chosen when the decode hop goes: requests that waited on prefill
+    together do not all land on the pod that was least loaded when they came in."""
+    router = router_process(tmp_path, redis_url, SERVICE,
+                            env={"KVFERRY_ROUTING_DECODE": "least-loaded"})
+    decodes = ("decode-0", "decode-1")
+    pods = ("prefill-0", *decodes)
+    try:
+        wait_pools(router, {"decode": list(decodes), "prefill": ["prefill-0"]})
+        before = {pod: len(received(pd[pod])) for pod in pods}
+        for pod in pods:  # every pod holds what it gets, so each hop's load stays counted
+            set_behaviour(pd[pod], "hold")
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(client(router).completions.create, model="fake",
+                                   prompt=LONG_PROMPT) for _ in range(4)]
+            wait_received(pd, ("prefill-0",), before, 4)
+            set_behaviour(pd["prefill-0"], "ok")
+            wait_received(pd, decodes, before, 4)
+            decoded = {pod: len(received(pd[pod])) - before[pod] for pod in decodes}
+            for pod in decodes:
+                set_behaviour(pd[pod], "ok")
+            texts = [future.result().choices[0].text for future in futures]
+    finally:
+        for pod in pods:
+            set_behaviour(pd[pod], "ok")
+        router.stop()
+    assert texts == [" a b c"] * 4
+    assert decoded == {"decode-0": 2, "decode-1": 2}, decoded
+
+
+def wait_received(pd: dict[str, Proc], pods: tuple[str, ...], before: dict[str, int],
+                  num: int) -> None:
+    """Until `pods` together received `num` more requests than `before`."""
+    deadline = time.monotonic() + 10
+    while sum(len(received(pd[pod])) - before[pod] for pod in pods) < num:
+        assert time.monotonic() < deadline, [received(pd[pod]) for pod in pods]
+        time.sleep(0.02)
+
+
+def test_requests_while_the_prefill_pool_is_down_are_counted_as_fallbacks(
+        tmp_path: Path, redis_url: str) -> None:
+    service = "prefill-down"
+    prefill = fake_engine(tmp_path, redis_url, service, "prefill", "prefill-0")
+    decode = fake_engine(tmp_path, redis_url, service, "decode", "decode-0")
+    router = router_process(tmp_path, redis_url, service)
+    try:
+        wait_pools(router, {"decode": ["decode-0"], "prefill": ["prefill-0"]})
+        prefill.stop()  # its key goes at once: the pool is empty, not failing
+        wait_pools(router, {"decode": ["decode-0"]})
+        for prompt in (LONG_PROMPT, "short"):
+            out = client(router).completions.create(model="fake", prompt=prompt)
+            assert out.choices[0].text == " a b c"
+        assert metric(router, "kvferry:router_prefill_fallbacks_total",
+                      reason="no_live_prefill_pod") == 2
+        assert [b["prompt"] for b in received(decode)] == [LONG_PROMPT, "short"]
+    finally:
+        for proc in (prefill, decode, router):
+            proc.stop()
 
 
 def test_no_live_pod_gets_503(tmp_path: Path, redis_url: str) -> None:

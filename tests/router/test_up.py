@@ -1,12 +1,16 @@
-"""`kvferry up` of a real service (demo model, two engine pods, prefix-aware routing): the
-official openai client through the router gets what a single server gives."""
+"""`kvferry up` of real services (demo model): two engine pods with prefix-aware routing, and
+one prefill with two decode pods. The official openai client through the router gets what a
+single server gives, also while pods are killed under it."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import re
 import signal
+import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -18,6 +22,7 @@ import pytest
 import yaml
 from procs import Proc, free_port, wait_http
 
+from kvferry.router.config import RouterSettings
 from kvferry.router.kv_events import split_hashes
 from kvferry.router.prefix_index import prompt_block_hashes
 
@@ -47,25 +52,39 @@ def service_yaml(tmp: Path) -> Path:
     return path
 
 
+def launch_up(tmp: Path, manifest: Path, pod_names: list[str],
+              env: dict[str, str] | None = None) -> tuple[Proc, dict[str, str]]:
+    """`kvferry up -f manifest`, once it says ready; returns it and pod name -> URL."""
+    port = free_port()
+    proc = Proc([sys.executable, "-m", "kvferry.engine.cli", "up", "-f", str(manifest),
+                 "--port", str(port)], tmp / "up.log", env=env)
+    proc.port = port  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 240
+    while "ready: http" not in proc.log():
+        if proc.proc.poll() is not None or time.monotonic() > deadline:
+            proc.stop()
+            raise AssertionError(proc.log())
+        time.sleep(0.2)
+    pods = dict(re.findall(r"pod (\S+): (http://127\.0\.0\.1:\d+)", proc.log()))
+    assert sorted(pods) == sorted(pod_names), proc.log()
+    return proc, pods
+
+
+def stop_up(proc: Proc) -> None:
+    assert proc.stop(timeout_s=60) == 0, proc.log()
+    assert "Traceback" not in proc.log(), proc.log()
+
+
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, dict[str, str]]]:
     """`kvferry up` of the service; yields it and pod name -> URL."""
     tmp = tmp_path_factory.mktemp("up")
-    port = free_port()
-    proc = Proc([sys.executable, "-m", "kvferry.engine.cli", "up", "-f", str(service_yaml(tmp)),
-                 "--port", str(port)], tmp / "up.log")
-    proc.port = port  # type: ignore[attr-defined]
+    proc, pods = launch_up(tmp, service_yaml(tmp),
+                           [f"{SERVICE_NAME}-decode-0", f"{SERVICE_NAME}-decode-1"])
     try:
-        deadline = time.monotonic() + 240
-        while "ready: http" not in proc.log():
-            assert proc.proc.poll() is None and time.monotonic() < deadline, proc.log()
-            time.sleep(0.2)
-        pods = dict(re.findall(r"pod (\S+): (http://127\.0\.0\.1:\d+)", proc.log()))
-        assert sorted(pods) == [f"{SERVICE_NAME}-decode-0", f"{SERVICE_NAME}-decode-1"]
         yield proc, pods
     finally:
-        assert proc.stop(timeout_s=60) == 0, proc.log()
-        assert "Traceback" not in proc.log(), proc.log()
+        stop_up(proc)
 
 
 @pytest.fixture(scope="module")
@@ -89,29 +108,66 @@ def client(port: int) -> openai.OpenAI:
                          max_retries=0, timeout=60)
 
 
-def answers(port: int) -> list[object]:
+Usage = tuple[int, int, int]  # prompt, completion and total tokens
+
+
+def usage_of(usage: object) -> Usage:
+    return (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)  # type: ignore[attr-defined]
+
+
+Query = str | list[dict[str, str]]  # a completion's prompt or a chat's messages
+
+
+def create(c: openai.OpenAI, query: Query, stream: bool, max_tokens: int) -> object:
+    """A greedy completion (for a prompt) or chat answer (for messages)."""
+    kwargs: dict[str, object] = {"model": SERVICE_NAME, "max_tokens": max_tokens,
+                                 "temperature": 0}
+    if stream:
+        kwargs.update(stream=True, stream_options={"include_usage": True})
+    if isinstance(query, str):
+        return c.completions.create(prompt=query, **kwargs)  # type: ignore[call-overload]
+    return c.chat.completions.create(messages=query, **kwargs)  # type: ignore[call-overload]
+
+
+def pieces(stream: object) -> Iterator[tuple[str, Usage | None]]:
+    """A stream's text pieces, with the usage where a chunk has it."""
+    for chunk in stream:  # type: ignore[attr-defined]
+        text = ""
+        if chunk.choices:
+            choice = chunk.choices[0]
+            text = choice.text if hasattr(choice, "text") else (choice.delta.content or "")
+        yield text, usage_of(chunk.usage) if chunk.usage else None
+
+
+def ask(c: openai.OpenAI, query: Query, stream: bool, max_tokens: int = 12
+        ) -> tuple[str, Usage]:
+    """The answer's text and usage; streamed, the usage comes in the last chunk."""
+    answer = create(c, query, stream, max_tokens)
+    if not stream:
+        choice = answer.choices[0]  # type: ignore[attr-defined]
+        text = choice.text if hasattr(choice, "text") else choice.message.content
+        return text, usage_of(answer.usage)  # type: ignore[attr-defined]
+    got = list(pieces(answer))
+    return "".join(text for text, _ in got), got[-1][1]  # type: ignore[return-value]
+
+
+def answers(port: int, prompts: tuple[str, ...] = ("Hello", SHARED_PREFIX),
+            chats: tuple[list[dict[str, str]], ...] = (MESSAGES,)) -> list[tuple[str, Usage]]:
+    """Each prompt completed and each chat answered, whole then streamed (in pairs)."""
     c = client(port)
-    out: list[object] = []
-    for prompt in ("Hello", SHARED_PREFIX):
-        done = c.completions.create(model=SERVICE_NAME, prompt=prompt, max_tokens=12,
-                                    temperature=0)
-        out.append((done.choices[0].text, done.usage.prompt_tokens, done.usage.completion_tokens))
-        stream = c.completions.create(model=SERVICE_NAME, prompt=prompt, max_tokens=12,
-                                      temperature=0, stream=True)
-        out.append("".join(chunk.choices[0].text for chunk in stream if chunk.choices))
-    chat = c.chat.completions.create(model=SERVICE_NAME, messages=MESSAGES, max_tokens=12,
-                                     temperature=0)
-    out.append(chat.choices[0].message.content)
-    stream = c.chat.completions.create(model=SERVICE_NAME, messages=MESSAGES, max_tokens=12,
-                                       temperature=0, stream=True)
-    out.append("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices))
+    out = []
+    for prompt in prompts:
+        out += [ask(c, prompt, stream=False), ask(c, prompt, stream=True)]
+    for messages in chats:
+        out += [ask(c, messages, stream=False), ask(c, messages, stream=True)]
     return out
 
 
 def test_up_answers_like_a_single_server(up: tuple[Proc, dict[str, str]], single: Proc) -> None:
     routed = answers(up[0].port)  # type: ignore[attr-defined]
     assert routed == answers(single.port)  # type: ignore[attr-defined]
-    assert routed[0][0] and routed[1] == routed[0][0]  # the stream equals the whole answer
+    assert all(text for text, _ in routed)
+    assert routed[0::2] == routed[1::2]  # each stream equals the whole answer
 
 
 def test_bad_input_gets_the_engines_400(up: tuple[Proc, dict[str, str]], single: Proc) -> None:
@@ -254,6 +310,7 @@ def test_up_restarts_a_dead_pod(up: tuple[Proc, dict[str, str]]) -> None:
 
 
 
+
 def test_each_local_pod_gets_its_own_kv_side_channel_port() -> None:
     from kvferry.operator.spec import parse_spec
     from kvferry.up import load_service, pod_children
@@ -267,35 +324,229 @@ def test_each_local_pod_gets_its_own_kv_side_channel_port() -> None:
     assert {c.env["KVFERRY_POD_NAME"] for c in children} == {c.name for c in children}
 
 
-def test_up_with_prefill_and_decode_pools_pulls_kv_and_answers_like_a_single_server(
-    tmp_path: Path, single: Proc
-) -> None:
-    manifest = yaml.safe_load(service_yaml(tmp_path).read_text())
-    manifest["spec"]["pools"] = {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}
-    manifest["spec"]["router"] = {"routing": {"decode": "least-loaded"}}
-    path = tmp_path / "pd.yaml"
+# ---------------------------------------------------------------------- prefill and decode pools
+PD_PODS = [f"{SERVICE_NAME}-prefill-0", f"{SERVICE_NAME}-decode-0", f"{SERVICE_NAME}-decode-1"]
+LONG_MESSAGES = [{"role": "user", "content": SHARED_PREFIX}]
+PREFILL_THRESHOLD = RouterSettings.prefill_threshold_tokens
+
+
+def pd_yaml(tmp: Path) -> Path:
+    """The service with one prefill and two decode pods, on a Redis whose URL a Secret holds."""
+    manifest = yaml.safe_load(service_yaml(tmp).read_text())
+    manifest["spec"]["pools"] = {"prefill": {"replicas": 1}, "decode": {"replicas": 2}}
+    # Round robin: the router sends each decode pod its share, whatever their loads.
+    manifest["spec"]["router"] = {"routing": {"decode": "round-robin"}}
+    manifest["spec"]["redis"] = {"urlSecret": {"name": "shared-redis", "key": "url"}}
+    path = tmp / "pd.yaml"
     path.write_text(yaml.safe_dump(manifest))
-    port = free_port()
-    proc = Proc([sys.executable, "-m", "kvferry.engine.cli", "up", "-f", str(path),
-                 "--port", str(port)], tmp_path / "pd.log")
+    return path
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory: pytest.TempPathFactory, redis_url: str
+       ) -> Iterator[tuple[Proc, dict[str, str]]]:
+    """`kvferry up` of the prefill/decode service; the test's Redis stands for the Secret's."""
+    tmp = tmp_path_factory.mktemp("pd")
+    proc, pods = launch_up(tmp, pd_yaml(tmp), PD_PODS, env={"KVFERRY_REDIS_URL": redis_url})
     try:
-        deadline = time.monotonic() + 240
-        while "ready: http" not in proc.log():
-            assert proc.proc.poll() is None and time.monotonic() < deadline, proc.log()
-            time.sleep(0.2)
-        pods = dict(re.findall(r"pod (\S+): (http://127\.0\.0\.1:\d+)", proc.log()))
-        # Long enough to pass the router's prefill threshold, so it takes both hops.
-        prompt = " ".join(["the history of the river and the town"] * 40)
-        got = client(port).completions.create(model=SERVICE_NAME, prompt=prompt, max_tokens=8,
-                                              temperature=0)
-        want = client(single.port).completions.create(  # type: ignore[attr-defined]
-            model=SERVICE_NAME, prompt=prompt, max_tokens=8, temperature=0)
-        assert got.choices[0].text == want.choices[0].text
-        assert got.usage.completion_tokens == want.usage.completion_tokens
-        router = httpx.get(f"http://127.0.0.1:{port}/metrics", trust_env=False).text
-        assert 'kvferry:router_hop_requests_total{hop="prefill",outcome="200"} 1.0' in router
-        decode = httpx.get(pods[f"{SERVICE_NAME}-decode-0"] + "/metrics", trust_env=False).text
-        pulled = re.search(r'^kvferry:kv_transfer_bytes_total\{[^}]*\} (\S+)', decode, re.M)
-        assert pulled is not None and float(pulled.group(1)) > 0, decode
+        yield proc, pods
     finally:
-        assert proc.stop(timeout_s=60) == 0, proc.log()
+        stop_up(proc)
+
+
+def test_up_takes_a_url_secrets_redis_from_the_environment(
+        pd: tuple[Proc, dict[str, str]], redis_url: str) -> None:
+    import redis
+
+    proc, _ = pd
+    store = redis.Redis.from_url(redis_url)
+    keys = sorted(k.decode() for k in store.scan_iter(f"kvferry:{SERVICE_NAME}:pod:*"))
+    assert keys == [f"kvferry:{SERVICE_NAME}:pod:{name}" for name in sorted(PD_PODS)]
+    assert "[redis]" not in proc.log()  # no Redis of its own
+
+
+def test_up_with_a_url_secret_and_no_redis_url_says_how_to_run_it(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "KVFERRY_REDIS_URL"}
+    done = subprocess.run([sys.executable, "-m", "kvferry.engine.cli", "up", "-f",
+                           str(pd_yaml(tmp_path)), "--port", str(free_port())],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2, done
+    assert done.stdout == "" and "Traceback" not in done.stderr, done
+    assert done.stderr == (
+        "kvferry up: error: spec.redis.urlSecret names key 'url' of Secret 'shared-redis', "
+        "which a local run cannot read: set KVFERRY_REDIS_URL to that Redis URL, or give the "
+        "URL as spec.redis.url\n")
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` in `url`/metrics whose labels include `labels`."""
+    total = 0.0
+    for line in httpx.get(url + "/metrics", trust_env=False).text.splitlines():
+        sample, _, value = line.rpartition(" ")
+        if sample.split("{")[0] == name and all(f'{k}="{v}"' in sample
+                                                  for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def pd_counts(proc: Proc, pods: dict[str, str]) -> dict[str, float]:
+    """What the router counted of the prefill hop, and what the decode pods pulled."""
+    router = f"http://127.0.0.1:{proc.port}"  # type: ignore[attr-defined]
+    decodes = [url for name, url in pods.items() if "-decode-" in name]
+    return {
+        "prefill_hops": metric(router, "kvferry:router_hop_requests_total", hop="prefill",
+                               outcome="200"),
+        "skips": metric(router, "kvferry:router_prefill_skips_total"),
+        "fallbacks": metric(router, "kvferry:router_prefill_fallbacks_total"),
+        "pulled_bytes": sum(metric(u, "kvferry:kv_transfer_bytes_total") for u in decodes),
+        "pull_failures": sum(metric(u, "kvferry:kv_transfer_failures_total") for u in decodes),
+    }
+
+
+def grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {key: after[key] - before[key] for key in after}
+
+
+def test_prefill_and_decode_pools_answer_like_a_single_server_and_pull_the_kv(
+        pd: tuple[Proc, dict[str, str]], single: Proc) -> None:
+    proc, pods = pd
+    before = pd_counts(proc, pods)
+    kinds = {"prompts": ("Hello", SHARED_PREFIX), "chats": (MESSAGES, LONG_MESSAGES)}
+    routed = answers(proc.port, **kinds)  # type: ignore[attr-defined, arg-type]
+    counted = grown(before, pd_counts(proc, pods))
+    assert routed == answers(single.port, **kinds)  # type: ignore[attr-defined, arg-type]
+    assert all(text for text, _ in routed) and routed[0::2] == routed[1::2]
+    # In pairs (whole, streamed): short completion, long completion, short chat, long chat.
+    prompt_tokens = [usage[0] for _, usage in routed]
+    short, long = prompt_tokens[0:2] + prompt_tokens[4:6], prompt_tokens[2:4] + prompt_tokens[6:8]
+    assert max(short) < PREFILL_THRESHOLD < min(long), prompt_tokens
+    assert counted["prefill_hops"] == len(long) and counted["skips"] == len(short), counted
+    assert counted["fallbacks"] == 0 and counted["pull_failures"] == 0, counted
+    assert counted["pulled_bytes"] > 0, counted
+
+
+def child_port(url: str) -> str:
+    return url.rsplit(":", 1)[1]
+
+
+def kill_pod(proc: Proc, pods: dict[str, str], name: str) -> int:
+    """SIGKILLs the pod's server (no goodbye to the registry) and waits until its port refuses
+    connections; returns how many times it had registered, to wait for its comeback."""
+    registered = proc.log().count(f"registered as kvferry:{SERVICE_NAME}:pod:{name}")
+    os.killpg(child_with_port(proc.proc.pid, child_port(pods[name])), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", int(child_port(pods[name]))), 1.0).close()
+        except ConnectionRefusedError:
+            return registered
+        assert time.monotonic() < deadline, f"{name} still takes connections"
+        time.sleep(0.02)
+
+
+def wait_back(proc: Proc, name: str, registered: int, pools: dict[str, list[str]]) -> None:
+    """Until the restarted pod registered again and the router lists `pools`."""
+    deadline = time.monotonic() + 120
+    while proc.log().count(f"registered as kvferry:{SERVICE_NAME}:pod:{name}") == registered:
+        assert time.monotonic() < deadline, proc.log()
+        time.sleep(0.1)
+    health = f"http://127.0.0.1:{proc.port}/health"  # type: ignore[attr-defined]
+    while httpx.get(health, trust_env=False).json()["pools"] != pools:
+        assert time.monotonic() < deadline, proc.log()
+        time.sleep(0.05)
+
+
+def long_answers(c: openai.OpenAI) -> list[tuple[str, Usage]]:
+    """The long prompt completed and chatted, whole and streamed, all at once."""
+    calls = [(SHARED_PREFIX, False), (SHARED_PREFIX, True), (LONG_MESSAGES, False),
+             (LONG_MESSAGES, True)]
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(ask, c, query, stream) for query, stream in calls]
+        return [future.result() for future in futures]
+
+
+def test_long_prompts_decode_without_the_killed_prefill_pod_and_use_it_once_back(
+        pd: tuple[Proc, dict[str, str]], single: Proc) -> None:
+    proc, pods = pd
+    name = f"{SERVICE_NAME}-prefill-0"
+    want = long_answers(client(single.port))  # type: ignore[attr-defined]
+    before = pd_counts(proc, pods)
+    registered = kill_pod(proc, pods, name)
+    # `kvferry up` starts it again a second after it exits, and it loads for seconds before
+    # it registers: these meet either the dead pod (its key lives on for a TTL) or none.
+    got = long_answers(client(proc.port))  # type: ignore[attr-defined]
+    down = pd_counts(proc, pods)
+    assert got == want
+    assert grown(before, down)["fallbacks"] == len(want), grown(before, down)
+    assert down["prefill_hops"] == before["prefill_hops"]
+
+    wait_back(proc, name, registered, {"decode": PD_PODS[1:], "prefill": [name]})
+    assert ask(client(proc.port), SHARED_PREFIX, stream=False) == want[0]  # type: ignore[attr-defined]
+    back = grown(down, pd_counts(proc, pods))
+    assert back["prefill_hops"] == 1 and back["fallbacks"] == 0, back
+    assert back["pulled_bytes"] > 0 and back["pull_failures"] == 0, back
+
+
+def outcome(c: openai.OpenAI, query: Query, stream: bool, max_tokens: int
+            ) -> tuple[str, Usage | None, bool]:
+    """(text, usage, failed): a stream cut by a dying pod ends in an error event, which
+    the client raises after the text it got so far."""
+    if not stream:
+        return (*ask(c, query, stream, max_tokens), False)
+    text, usage = "", None
+    try:
+        for piece, piece_usage in pieces(create(c, query, stream, max_tokens)):
+            text, usage = text + piece, piece_usage or usage
+    except openai.APIError:
+        return text, usage, True
+    return text, usage, False
+
+
+def busy(url: str) -> None:
+    """A long request sent to a pod directly; it ends with the pod."""
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(url + "/v1/completions", timeout=120, trust_env=False, json={
+            "model": SERVICE_NAME, "prompt": "busy", "max_tokens": 400, "ignore_eos": True})
+
+
+def test_a_decode_pod_killed_under_running_requests_costs_only_the_streams_it_had_begun(
+        pd: tuple[Proc, dict[str, str]], single: Proc) -> None:
+    proc, pods = pd
+    victim = pods[f"{SERVICE_NAME}-decode-1"]
+    router = f"http://127.0.0.1:{proc.port}"  # type: ignore[attr-defined]
+    max_tokens = 24
+    queries: list[Query] = ["Hello", SHARED_PREFIX, MESSAGES, LONG_MESSAGES]
+    want = [ask(client(single.port), q, False, max_tokens) for q in queries]  # type: ignore[attr-defined]
+    calls = [(i, stream) for stream in (True, False, True) for i in range(len(queries))]
+    retries = metric(router, "kvferry:router_retries_total", hop="decode")
+    stream_errors = metric(router, "kvferry:router_stream_errors_total")
+    c = client(proc.port)  # type: ignore[attr-defined]
+    with concurrent.futures.ThreadPoolExecutor(len(calls) + 2) as pool:
+        # Two long requests fill the pod's two running slots, so what the router sends it
+        # waits in its queue (the pod has taken them: a stream has its headers already).
+        load = [pool.submit(busy, victim) for _ in range(2)]
+        deadline = time.monotonic() + 30
+        while engine_running(victim) < 2:
+            assert time.monotonic() < deadline, "the pod never ran the long requests"
+            time.sleep(0.01)
+        futures = [pool.submit(outcome, c, queries[i], stream, max_tokens)
+                   for i, stream in calls]
+        while engine_waiting(victim) < 1:
+            assert not all(f.done() for f in futures), "the router sent the pod nothing"
+            time.sleep(0.01)
+        kill_pod(proc, pods, f"{SERVICE_NAME}-decode-1")
+        got = [future.result() for future in futures]  # each within the client's timeout
+        for future in load:
+            future.result()
+    failed = [n for n, (_, _, is_failed) in enumerate(got) if is_failed]
+    for n, ((i, stream), (text, usage, is_failed)) in enumerate(zip(calls, got, strict=True)):
+        if is_failed:  # only a stream that the killed pod had begun to answer
+            assert stream and text and want[i][0].startswith(text), (calls[n], got[n])
+        else:
+            assert (text, usage) == want[i], (calls[n], got[n])
+    assert metric(router, "kvferry:router_stream_errors_total") - stream_errors == len(failed)
+    # What waited on the killed pod went on to the other one.
+    assert metric(router, "kvferry:router_retries_total", hop="decode") - retries >= 1
+    # New requests go to the live pod (the dead one is refused, then set aside or gone).
+    for i, query in enumerate(queries):
+        assert ask(c, query, stream=True, max_tokens=max_tokens) == want[i]
