@@ -128,7 +128,9 @@ class KVConnectorScheduler:
         self.endpoint = endpoint
         self._leases = leases
         self._metrics = metrics
-        self._keeper = LeaseKeeper(config.heartbeat_s, config.side_channel_timeout_s, metrics)
+        self._keeper = LeaseKeeper(
+            config.heartbeat_s, config.side_channel_timeout_s, metrics, reader=endpoint.agent_name
+        )
         self._meta = KVConnectorMetadata()
         # Requests whose pull the worker owns (planned, not yet reported over).
         self._pulling: set[str] = set()

@@ -37,9 +37,13 @@ class _Tracked:
 class LeaseKeeper:
     """Keeps the producer holds of a consumer's waiting requests alive."""
 
-    def __init__(self, heartbeat_s: float, timeout_s: float, metrics: KVTransferMetrics) -> None:
+    def __init__(
+        self, heartbeat_s: float, timeout_s: float, metrics: KVTransferMetrics, reader: str = ""
+    ) -> None:
         self.heartbeat_s = heartbeat_s
         self.timeout_s = timeout_s
+        # This consumer's NIXL agent name: its heartbeats claim the holds they renew.
+        self.reader = reader
         self._metrics = metrics
         self._lock = threading.Lock()
         self._tracked: dict[str, _Tracked] = {}
@@ -133,7 +137,7 @@ class LeaseKeeper:
                     tracked.lost = True
 
     def _client(self, producer: _Producer) -> SideChannelClient:
-        return SideChannelClient(producer[0], producer[1], self.timeout_s)
+        return SideChannelClient(producer[0], producer[1], self.timeout_s, self.reader)
 
 
 def _by_producer(items: list[tuple[_Producer, str]]) -> dict[_Producer, list[str]]:

@@ -7,6 +7,11 @@ consumer frees it (it computed locally, failed, or was cancelled), or the lease 
 others then find nothing to end. A decode pod that dies therefore strands nothing for longer
 than one lease.
 
+A hold serves one reader. The first consumer that renews it (a heartbeat, or the renewal
+before its read) claims it; another consumer's renewal is refused and its free ignored, so
+it computes the prompt itself. Without this, a decode hop retried on a second pod could read
+blocks that the first pod's late notification had just freed for reuse.
+
 The table is shared by the scheduler (which starts holds), the side channel's threads
 (heartbeats and frees) and the engine thread (notifications and expiry), hence the lock.
 """
@@ -30,6 +35,12 @@ class Hold:
     block_ids: BlockIdGroups
     # Monotonic time at which the hold ends unless renewed.
     deadline: float
+    # The consumer (its NIXL agent name) that claimed the hold; "" while unclaimed.
+    reader: str = ""
+
+    def serves(self, reader: str) -> bool:
+        """Whether `reader` may renew or end the hold ("" names no one: always allowed)."""
+        return not reader or not self.reader or reader == self.reader
 
     @property
     def num_blocks(self) -> int:
@@ -64,19 +75,31 @@ class LeaseTable:
             self._num_blocks += held.num_blocks
             self._metrics.set_blocks_held(self._num_blocks)
 
-    def renew(self, req_ids: Iterable[str]) -> list[bool]:
-        """Extends the given holds by a full lease; per id, whether it is still held."""
+    def renew(self, req_ids: Iterable[str], reader: str = "") -> list[bool]:
+        """Extends the given holds by a full lease, claiming unclaimed ones for `reader`.
+
+        Per id, whether it is held for `reader`: False when it ended, never existed, or
+        another reader claimed it.
+        """
         with self._lock:
             deadline = self._clock() + self.lease_s
-            held = [self._holds.get(r) for r in req_ids]
-            for h in held:
-                if h is not None:
-                    h.deadline = max(h.deadline, deadline)
-            return [h is not None for h in held]
+            result = []
+            for req_id in req_ids:
+                held = self._holds.get(req_id)
+                if held is None or not held.serves(reader):
+                    result.append(False)
+                    continue
+                held.reader = held.reader or reader
+                held.deadline = max(held.deadline, deadline)
+                result.append(True)
+            return result
 
-    def end(self, req_id: str, how: HoldEnd) -> bool:
-        """Ends one hold; False when it had already ended (or never existed)."""
+    def end(self, req_id: str, how: HoldEnd, reader: str = "") -> bool:
+        """Ends one hold; False when it had already ended, never existed, or is not `reader`'s."""
         with self._lock:
+            held = self._holds.get(req_id)
+            if held is None or not held.serves(reader):
+                return False
             return self._end_locked(req_id, how)
 
     def expire(self) -> list[str]:
@@ -97,6 +120,11 @@ class LeaseTable:
     def is_held(self, req_id: str) -> bool:
         with self._lock:
             return req_id in self._holds
+
+    def readers(self) -> dict[str, str]:
+        """Request id -> the consumer that claimed its hold, for the claimed holds."""
+        with self._lock:
+            return {r: h.reader for r, h in self._holds.items() if h.reader}
 
     @property
     def num_blocks_held(self) -> int:

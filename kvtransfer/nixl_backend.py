@@ -150,10 +150,10 @@ class NixlBackend:
             return False
         return True
 
-    def notifications(self) -> list[bytes]:
-        """Notifications received since the last call, from any agent."""
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """(sending agent, message) of the notifications received since the last call."""
         notifs = self._call(self._agent.get_new_notifs)
-        return [msg for msgs in notifs.values() for msg in msgs]
+        return [(agent, msg) for agent, msgs in notifs.items() for msg in msgs]
 
     def close(self) -> None:
         for descs in self._registered.values():

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # Version of kvferry's transfer protocol (side channel messages, notifications, fields).
-TRANSFER_PROTOCOL_VERSION = 1
+TRANSFER_PROTOCOL_VERSION = 2
 
 # Per block group, the block ids in table order.
 BlockIdGroups = tuple[tuple[int, ...], ...]

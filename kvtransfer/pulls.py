@@ -118,7 +118,8 @@ class Puller:
     def _submit_prepare(self, pull: _Pull, cached: RemoteEngine | None) -> None:
         params = pull.spec.params
         client = SideChannelClient(
-            params.remote_host or "", params.remote_port or 0, self.config.side_channel_timeout_s
+            params.remote_host or "", params.remote_port or 0, self.config.side_channel_timeout_s,
+            reader=self._backend.agent_name,
         )
         agent_name = cached.info.agent_name if cached is not None else ""
         pull.prepared = self._executor.submit(

@@ -62,6 +62,9 @@ class LeaseRequest(msgspec.Struct, frozen=True):
     # holds); "" means whichever runs now.
     agent_name: str
     req_ids: list[str]
+    # The consumer asking (its NIXL agent name): the first to renew a hold is its only
+    # reader; "" speaks for no one in particular.
+    reader: str = ""
 
 
 class LeaseReply(msgspec.Struct, frozen=True):
@@ -111,9 +114,9 @@ class SideChannelServer:
             # Meant for an earlier incarnation of this producer: none of its holds exist.
             held = [False] * len(request.req_ids)
         elif path == RENEW_PATH:
-            held = self.leases.renew(request.req_ids)
+            held = self.leases.renew(request.req_ids, request.reader)
         else:
-            held = [self.leases.end(r, HoldEnd.FREED) for r in request.req_ids]
+            held = [self.leases.end(r, HoldEnd.FREED, request.reader) for r in request.req_ids]
         reply = LeaseReply(held=held, lease_s=self.leases.lease_s, agent_name=self.info.agent_name)
         return msgspec.msgpack.encode(reply)
 
@@ -166,10 +169,12 @@ def _make_handler(server: SideChannelServer) -> type[BaseHTTPRequestHandler]:
 class SideChannelClient:
     """A consumer's calls to one producer's side channel; each bounded by `timeout_s`."""
 
-    def __init__(self, host: str, port: int, timeout_s: float) -> None:
+    def __init__(self, host: str, port: int, timeout_s: float, reader: str = "") -> None:
         self.host = host
         self.port = port
         self.timeout_s = timeout_s
+        # This consumer's NIXL agent name, sent with renewals and frees.
+        self.reader = reader
 
     @property
     def address(self) -> str:
@@ -179,12 +184,15 @@ class SideChannelClient:
         return self._call("GET", HANDSHAKE_PATH, None, HandshakeInfo)
 
     def renew(self, agent_name: str, req_ids: list[str]) -> LeaseReply:
-        body = msgspec.msgpack.encode(LeaseRequest(agent_name=agent_name, req_ids=req_ids))
-        return self._call("POST", RENEW_PATH, body, LeaseReply)
+        return self._call("POST", RENEW_PATH, self._lease_request(agent_name, req_ids), LeaseReply)
 
     def free(self, agent_name: str, req_ids: list[str]) -> LeaseReply:
-        body = msgspec.msgpack.encode(LeaseRequest(agent_name=agent_name, req_ids=req_ids))
-        return self._call("POST", FREE_PATH, body, LeaseReply)
+        return self._call("POST", FREE_PATH, self._lease_request(agent_name, req_ids), LeaseReply)
+
+    def _lease_request(self, agent_name: str, req_ids: list[str]) -> bytes:
+        return msgspec.msgpack.encode(
+            LeaseRequest(agent_name=agent_name, req_ids=req_ids, reader=self.reader)
+        )
 
     def _call(self, method: str, path: str, body: bytes | None, reply_type: type[_T]) -> _T:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)

@@ -163,10 +163,10 @@ class KVConnectorWorker:
 
     def _end_holds(self) -> list[str]:
         assert self._backend is not None
-        for msg in self._backend.notifications():
+        for agent, msg in self._backend.notifications():
             if msg.startswith(PULLED_NOTIF_PREFIX):
                 req_id = msg[len(PULLED_NOTIF_PREFIX):].decode(errors="replace")
-                self.leases.end(req_id, HoldEnd.PULLED)
+                self.leases.end(req_id, HoldEnd.PULLED, reader=agent)
             else:
                 logger.debug("ignoring NIXL notification %r", msg[:64])
         self.leases.expire()

@@ -5,7 +5,7 @@ filled with seeded random bytes, serves its side channel, prints one JSON line w
 endpoint, then answers one JSON command per line:
 
     {"op": "hold", "req_id", "block_ids", "num_tokens"} -> {"params": {...}}
-    {"op": "status"} -> {"ended": [...], "blocks_held", "stats": {...}}
+    {"op": "status"} -> {"ended": [...], "blocks_held", "readers": {req_id: consumer}, "stats"}
     {"op": "digest", "group", "block_ids"} -> {"sha256": [...]}
     {"op": "exit"}
 
@@ -89,7 +89,8 @@ def handle(command: dict, scheduler: KVConnectorScheduler, worker: KVConnectorWo
         return {"params": out.to_dict()}
     if op == "status":
         stats = dataclasses.asdict(worker.metrics.snapshot())
-        return {"ended": ended, "blocks_held": worker.leases.num_blocks_held, "stats": stats}
+        return {"ended": ended, "blocks_held": worker.leases.num_blocks_held,
+                "readers": worker.leases.readers(), "stats": stats}
     if op == "digest":
         cache = caches[command["group"]]
         blocks = [cache[b].reshape(-1).view(torch.uint8).numpy() for b in command["block_ids"]]

@@ -190,7 +190,7 @@ def test_a_prefill_for_remote_decode_holds_its_blocks_and_returns_params(setup: 
         "remote_host": "10.0.0.9", "remote_port": 7000, "remote_block_ids": [5, 6, 7, 8],
         "remote_request_id": "p", "kvferry_agent_name": "agent-d",
         "kvferry_num_tokens": 3 * BLOCK + 1, "kvferry_lease_s": 30.0,
-        "kvferry_protocol_version": 1,
+        "kvferry_protocol_version": 2,
     }
     assert scheduler._leases.num_blocks_held == 4
 

@@ -45,6 +45,40 @@ def test_renewing_extends_a_hold_by_a_full_lease() -> None:
     assert table.expire() == ["a"]
 
 
+def test_the_first_reader_to_renew_claims_the_hold() -> None:
+    table, clock, metrics = make_table()
+    table.hold("a", ((1, 2),))
+    assert table.renew(["a"], reader="decode-1") == [True]
+    # A second decode pod (a retried hop) is refused and cannot end the first one's hold.
+    assert table.renew(["a"], reader="decode-2") == [False]
+    assert not table.end("a", HoldEnd.FREED, reader="decode-2")
+    assert not table.end("a", HoldEnd.PULLED, reader="decode-2")
+    assert table.is_held("a") and table.num_blocks_held == 2
+    # Its refused renewals did not extend the lease either.
+    clock.now += 25
+    assert table.renew(["a"], reader="decode-2") == [False]
+    clock.now += 5
+    assert table.expire() == ["a"]
+    assert metrics.snapshot().lease_expirations == 1
+
+
+def test_the_reader_ends_its_hold_and_an_unclaimed_hold_is_anyones() -> None:
+    table, _, metrics = make_table()
+    table.hold("a", ((1,),))
+    table.hold("b", ((2,),))
+    assert table.renew(["a"], reader="decode-1") == [True]
+    assert table.end("a", HoldEnd.PULLED, reader="decode-1")
+    assert table.end("b", HoldEnd.FREED, reader="decode-2")
+    # A caller that names no reader neither claims nor is refused.
+    table.hold("c", ((3,),))
+    assert table.renew(["c"]) == [True]
+    assert table.renew(["c"], reader="decode-1") == [True]
+    assert table.renew(["c"]) == [True]
+    assert table.end("c", HoldEnd.FREED)
+    stats = metrics.snapshot()
+    assert (stats.sends_pulled, stats.sends_freed, stats.blocks_held) == (1, 2, 0)
+
+
 def test_a_hold_ends_once_whichever_way_comes_first() -> None:
     table, clock, metrics = make_table()
     table.hold("a", ((1, 2), (7,)))

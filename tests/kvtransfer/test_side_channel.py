@@ -53,6 +53,19 @@ def test_renew_reports_which_holds_exist(served) -> None:
     assert (reply.lease_s, reply.agent_name) == (30.0, "agent-1")
 
 
+def test_a_hold_claimed_by_one_reader_is_refused_to_another(served) -> None:
+    server, _ = served
+    first = SideChannelClient("127.0.0.1", server.port, timeout_s=5.0, reader="decode-1")
+    second = SideChannelClient("127.0.0.1", server.port, timeout_s=5.0, reader="decode-2")
+    server.leases.hold("a", ((1, 2),))
+    assert first.renew("agent-1", ["a"]).held == [True]
+    assert second.renew("agent-1", ["a"]).held == [False]
+    assert second.free("agent-1", ["a"]).held == [False]
+    assert server.leases.is_held("a")
+    assert first.free("agent-1", ["a"]).held == [True]
+    assert not server.leases.is_held("a")
+
+
 def test_free_ends_holds_now(served) -> None:
     server, client = served
     server.leases.hold("a", ((1, 2),))

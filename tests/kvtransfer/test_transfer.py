@@ -166,6 +166,38 @@ def test_a_producer_restarted_on_the_same_port_is_handshaken_again(
     assert block_bytes(consumer.caches[0], [13, 14]) == block_bytes(expected, [11, 12])
 
 
+def test_a_hold_claimed_by_one_consumer_is_refused_to_another(producers, make_consumer) -> None:
+    """A decode hop retried on a second pod computes the prompt itself: only the pod whose
+    heartbeat claimed the hold reads the blocks, so a late notification of the first pod
+    can never free blocks the second is reading."""
+    producer = producers()
+    first = make_consumer(heartbeat_interval_s=0.1)
+    second = make_consumer()
+    params = producer.hold("p", [[3, 4, 5]], 12)
+    # Queued on the first pod: its heartbeats claim the hold.
+    first.scheduler.add_request("d1", params)
+    deadline = time.monotonic() + 10
+    while producer.call("status")["readers"] != {"p": first.worker.agent_name}:
+        assert time.monotonic() < deadline, producer.call("status")
+        time.sleep(0.02)
+
+    failure = second.pull("d2", params, [[7, 8, 9]], 12)
+
+    assert failure is not None and failure.reason is FailureReason.LEASE_LOST
+    assert not second.caches[0][[7, 8, 9]].any()
+    # Its free (sent when it gave up, flushed by shutdown) left the first pod's hold alone.
+    second.scheduler.shutdown()
+    status = producer.call("status")
+    assert (status["blocks_held"], status["ended"]) == (3, [])
+    # The first pod pulls as usual, and its notification ends the hold.
+    num_external = first.scheduler.get_num_new_matched_tokens(params, 12, 0)
+    first.scheduler.update_state_after_alloc("d1", params, [[7, 8, 9]], 0, num_external)
+    assert first.wait("d1") is None
+    assert block_bytes(first.caches[0], [7, 8, 9]) == block_bytes(fill_cache(SMALL, 0), [3, 4, 5])
+    status = producer.wait_ended("p")
+    assert (status["stats"]["sends_pulled"], status["stats"]["sends_freed"]) == (1, 0)
+
+
 def test_a_producer_killed_before_the_pull_fails_it_within_bounded_time(
     producers, make_consumer
 ) -> None:
