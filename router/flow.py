@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -44,10 +44,14 @@ TOKENIZE_TIMEOUT_S = 10.0
 
 @dataclass
 class Prompt:
-    """What the router knows of a request's prompt before choosing pods."""
+    """What the router knows of a request's prompt before choosing pods. A /v1/completions
+    batch (several prompts in one request) is judged by its first prompt; the pod it goes to
+    computes and caches every one of them."""
 
     token_ids: list[int] | None  # None: not tokenized (no policy needs it)
     block_hashes: list[bytes] | None  # the engine's hashes of its full blocks
+    # The block hashes of every prompt of the request, block_hashes first.
+    batch_hashes: list[list[bytes]] = field(default_factory=list)
 
 
 @dataclass
@@ -139,12 +143,17 @@ class Router:
     async def _prompt(self, endpoint: str, body: dict[str, Any]) -> Prompt:
         if not self._needs_tokens():
             return Prompt(None, None)
-        token_ids = await self._tokenize(endpoint, body)
-        if token_ids is None:
+        batch = _given_token_ids(endpoint, body)
+        if batch is None:  # text or chat messages: the engine's tokenizer says
+            token_ids = await self._tokenize(endpoint, body)
+            batch = [token_ids] if token_ids is not None else None
+        if batch is None:
             return Prompt(None, None)
         block_size = self._block_size()
-        hashes = prompt_block_hashes(token_ids, block_size) if block_size else None
-        return Prompt(token_ids, hashes)
+        hashes = _batch_block_hashes(batch, block_size) if block_size else None
+        if hashes is None:
+            return Prompt(batch[0], None)
+        return Prompt(batch[0], hashes[0], hashes)
 
     def _block_size(self) -> int | None:
         pods = self.pods.pool("decode") or self.pods.pool("prefill")
@@ -154,8 +163,6 @@ class Router:
         """The prompt's token ids, from a pod's /tokenize (the engine's own tokenizer and
         chat template); None when the prompt is not one text (the engine judges it)."""
         query = _tokenize_query(endpoint, body)
-        if isinstance(query, list):
-            return query
         pods = self.pods.pool("decode") or self.pods.pool("prefill")
         if query is None or not pods:
             return None
@@ -271,13 +278,43 @@ class Router:
             release(answer)
 
     def _remember(self, pod: str, prompt: Prompt) -> None:
-        """The pod that computed this prompt now caches its full blocks."""
-        if prompt.block_hashes:
-            self.index.stored(pod, prompt.block_hashes)
+        """The pod that computed this request's prompts now caches their full blocks."""
+        for hashes in prompt.batch_hashes:
+            if hashes:
+                self.index.stored(pod, hashes)
 
 
-def _tokenize_query(endpoint: str, body: dict[str, Any]) -> dict[str, Any] | list[int] | None:
-    """The /tokenize body for the request's prompt, its token ids when given, or None."""
+def _given_token_ids(endpoint: str, body: dict[str, Any]) -> list[list[int]] | None:
+    """The prompts of a /v1/completions request given as token ids, one list per prompt: a
+    list of ids is one prompt, a list of such lists a batch. None for anything else (text,
+    chat, a malformed prompt: the engine answers those)."""
+    if endpoint.endswith("/chat/completions"):
+        return None
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    if _is_token_ids(prompt):
+        return [prompt]
+    if all(isinstance(p, list) and p and _is_token_ids(p) for p in prompt):
+        return prompt
+    return None
+
+
+def _is_token_ids(values: list[Any]) -> bool:
+    return all(type(t) is int for t in values)  # not bool, which JSON's true/false become
+
+
+def _batch_block_hashes(batch: list[list[int]], block_size: int) -> list[list[bytes]] | None:
+    """Each prompt's block hashes; None when an id does not fit the engine's int64 (the
+    engine refuses the request, so there is nothing to route by)."""
+    try:
+        return [prompt_block_hashes(token_ids, block_size) for token_ids in batch]
+    except OverflowError:
+        return None
+
+
+def _tokenize_query(endpoint: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    """The /tokenize body for the request's one text prompt or chat messages, or None."""
     model = body.get("model")
     if endpoint.endswith("/chat/completions"):
         messages = body.get("messages")
@@ -287,8 +324,6 @@ def _tokenize_query(endpoint: str, body: dict[str, Any]) -> dict[str, Any] | lis
         prompt = prompt[0]
     if isinstance(prompt, str):
         return {"model": model, "prompt": prompt}
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        return list(prompt)
     return None
 
 
