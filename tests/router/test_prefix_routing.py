@@ -4,14 +4,19 @@ that restarts under the same name loses what its previous process cached."""
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import redis
 from procs import Proc, fake_engine, router_process
+
+from kvferry.engine.server.registry import kv_events_key
 
 SERVICE = "prefix"
 BLOCK_SIZE = 16  # the fake pods' KV block size
@@ -35,6 +40,13 @@ def metric(router: Proc, line_start: str) -> float:
 
 def applied_events(router: Proc) -> float:
     return metric(router, "kvferry:router_kv_event_batches ")
+
+
+def wait_applied(router: Proc, num_events: float) -> None:
+    deadline = time.monotonic() + 10
+    while applied_events(router) < num_events:
+        assert time.monotonic() < deadline, "the router did not apply the KV events"
+        time.sleep(0.02)
 
 
 def cache(pod: Proc, router: Proc, token_ids: list[int]) -> None:
@@ -64,33 +76,48 @@ def complete(router: Proc, prompt: object) -> None:
     assert out.choices[0].text == " a b c"
 
 
-@pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[dict[str, Proc]]:
+@dataclass
+class Service:
     """Two fake pods (pod-a first by name: it wins every tie) behind a prefix-aware router."""
+
+    tmp: Path
+    redis_url: str
+    pods: dict[str, Proc]
+    router: Proc
+
+    def restart(self, name: str) -> None:
+        """Kills the pod's process (its registry key stays until its TTL) and starts a new
+        one under the same name at once."""
+        self.pods[name].stop(signal.SIGKILL)
+        self.pods[name] = fake_engine(self.tmp, self.redis_url, SERVICE, "both", name)
+
+
+def prefix_router(tmp: Path, redis_url: str) -> Proc:
+    router = router_process(tmp, redis_url, SERVICE, env={"KVFERRY_ROUTING_DECODE": "prefix-aware"})
+    deadline = time.monotonic() + 10
+    while httpx.get(url(router) + "/health").json()["pools"] != {"decode": ["pod-a", "pod-b"]}:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return router
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Service]:
     tmp = tmp_path_factory.mktemp("prefix")
-    procs: dict[str, Proc] = {}
+    pods: dict[str, Proc] = {}
+    router = None
     try:
         for name in ("pod-a", "pod-b"):
-            procs[name] = fake_engine(tmp, redis_url, SERVICE, "both", name)
-        procs["router"] = router_process(tmp, redis_url, SERVICE,
-                                         env={"KVFERRY_ROUTING_DECODE": "prefix-aware"})
-        deadline = time.monotonic() + 10
-        while httpx.get(url(procs["router"]) + "/health").json()["pools"] != {
-                "decode": ["pod-a", "pod-b"]}:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        yield procs
+            pods[name] = fake_engine(tmp, redis_url, SERVICE, "both", name)
+        router = prefix_router(tmp, redis_url)
+        yield Service(tmp, redis_url, pods, router)
     finally:
-        for proc in procs.values():
+        for proc in [*pods.values(), *([router] if router else [])]:
             proc.stop()
 
 
-def pods_only(service: dict[str, Proc]) -> dict[str, Proc]:
-    return {k: v for k, v in service.items() if k.startswith("pod-")}
-
-
-def test_a_token_id_prompt_goes_to_the_pod_holding_its_prefix(service: dict[str, Proc]) -> None:
-    pods, router = pods_only(service), service["router"]
+def test_a_token_id_prompt_goes_to_the_pod_holding_its_prefix(service: Service) -> None:
+    pods, router = service.pods, service.router
     held = tokens(1000, 3)
     cache(pods["pod-b"], router, held)
     calls = tokenize_calls(pods)
@@ -100,8 +127,8 @@ def test_a_token_id_prompt_goes_to_the_pod_holding_its_prefix(service: dict[str,
     assert tokenize_calls(pods) == calls
 
 
-def test_a_batch_of_token_id_prompts_is_hashed_and_remembered(service: dict[str, Proc]) -> None:
-    pods, router = pods_only(service), service["router"]
+def test_a_batch_of_token_id_prompts_is_hashed_and_remembered(service: Service) -> None:
+    pods, router = service.pods, service.router
     held = tokens(2000, 2)
     cache(pods["pod-b"], router, held)
     calls = tokenize_calls(pods)
@@ -117,11 +144,43 @@ def test_a_batch_of_token_id_prompts_is_hashed_and_remembered(service: dict[str,
     assert tokenize_calls(pods) == calls
 
 
-def test_token_ids_past_int64_are_left_to_the_engine(service: dict[str, Proc]) -> None:
-    pods, router = pods_only(service), service["router"]
+def test_token_ids_past_int64_are_left_to_the_engine(service: Service) -> None:
     prompt = [2**63] * BLOCK_SIZE
-    response = httpx.post(url(router) + "/v1/completions",
+    response = httpx.post(url(service.router) + "/v1/completions",
                           json={"model": "fake", "prompt": prompt, "max_tokens": 3})
     # The fake engine accepts any ids; the router neither failed nor asked /tokenize.
     assert response.status_code == 200
-    assert len(pod_of(pods, prompt)) == 1
+    assert len(pod_of(service.pods, prompt)) == 1
+
+
+def test_a_restarted_pod_loses_its_prefix_entries(service: Service) -> None:
+    pods, router = service.pods, service.router
+    held = tokens(4000, 3)
+    cache(pods["pod-b"], router, held)
+    complete(router, held + [1])
+    assert pod_of(pods, held + [1]) == ["pod-b"]
+    before = applied_events(router)
+    service.restart("pod-b")
+    wait_applied(router, before + 1)  # the new process's first entry
+    complete(router, held + [2])
+    assert pod_of(pods, held + [2]) == ["pod-a"]
+
+
+def test_a_router_replaying_the_events_skips_a_restarted_pods_old_blocks(
+        service: Service) -> None:
+    pods = service.pods
+    held = tokens(5000, 3)
+    cache(pods["pod-b"], service.router, held)
+    before = applied_events(service.router)
+    service.restart("pod-b")
+    wait_applied(service.router, before + 1)
+    # A router started now reads the whole stream: pod-b's old process's entries, then the
+    # new process's.
+    late = prefix_router(service.tmp, service.redis_url)
+    try:
+        length = redis.Redis.from_url(service.redis_url).xlen(kv_events_key(SERVICE))
+        wait_applied(late, length)
+        complete(late, held + [3])
+    finally:
+        late.stop()
+    assert pod_of(pods, held + [3]) == ["pod-a"]
