@@ -8,7 +8,8 @@ registers in the pod registry like `kvferry serve`, and plays a prefill pod's pa
 `{"behaviour": "ok" | "refuse" | "cut" | "hang"}` makes it answer 503, cut streams after one
 chunk, or never answer. `POST /fake/cache` with `{"token_ids": [...]}` has it publish KV
 events as an engine whose prefix cache now holds that prompt's full blocks;
-`GET /fake/tokenize_calls` counts the /tokenize requests it answered.
+`GET /fake/tokenize_calls` counts the /tokenize requests it answered, and
+`GET /fake/connections` the client connections its generation requests came on.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class FakeEngine:
         self._behaviour_changed = asyncio.Event()
         self.received: list[dict[str, Any]] = []
         self.num_tokenize_calls = 0
+        # (host, port) of the connections generation requests came on.
+        self.connections: set[tuple[str, int]] = set()
         # Set when it registers in Redis: its KV events go out through it.
         self.registrar: PodRegistrar | None = None
 
@@ -53,6 +56,8 @@ class FakeEngine:
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
+        if scope["path"].startswith("/v1/"):
+            self.connections.add(tuple(scope["client"]))  # type: ignore[arg-type]
         await self._route(scope["method"], scope["path"], body, send)
 
     async def _route(self, method: str, path: str, body: bytes, send: Send) -> None:
@@ -67,6 +72,8 @@ class FakeEngine:
             await _send(send, 200, b"{}")
         elif path == "/fake/cache":
             await _send(send, *self._cache(json.loads(body)["token_ids"]))
+        elif path == "/fake/connections":
+            await _send(send, 200, json.dumps(len(self.connections)).encode())
         elif path == "/fake/tokenize_calls":
             await _send(send, 200, json.dumps(self.num_tokenize_calls).encode())
         elif path == "/tokenize":

@@ -31,6 +31,7 @@ from kvferry.router.hops import (
 )
 from kvferry.router.kv_events import KVEventReader
 from kvferry.router.metrics import RouterMetrics
+from kvferry.router.pod_client import HopTimeout, PodClient
 from kvferry.router.pods import Pod, PodDirectory
 from kvferry.router.policies import Choice, make_policy
 from kvferry.router.prefix_index import PrefixIndex, prompt_block_hashes
@@ -78,6 +79,12 @@ class Router:
         self.policies = {pool: make_policy(name, self.index)
                          for pool, name in settings.policies.items()}
         self.client = make_client(settings.timeouts)
+        self.pod_client = PodClient()
+        timeouts = settings.timeouts
+        self._decode_timeout = HopTimeout(connect_s=timeouts.connect_s,
+                                          read_s=timeouts.decode_read_s)
+        self._prefill_timeout = HopTimeout(connect_s=timeouts.connect_s,
+                                           total_s=timeouts.prefill_s)
         # Pools that had live pods once: an empty prefill pool then means "down".
         self._pools_seen: set[str] = set()
 
@@ -90,6 +97,7 @@ class Router:
         await self.kv_events.stop()
         await self.pods.stop()
         await self.client.close()
+        await self.pod_client.close()
 
     # ------------------------------------------------------------------ the whole request
     async def generate(self, endpoint: str, body: dict[str, Any], request_id: str) -> Answer:
@@ -210,11 +218,10 @@ class Router:
         prefill_body.pop("stream_options", None)
         if "max_completion_tokens" in prefill_body:
             prefill_body["max_completion_tokens"] = 1
-        timeouts = self.settings.timeouts
-        timeout = aiohttp.ClientTimeout(total=timeouts.prefill_s, sock_connect=timeouts.connect_s)
-        answer = await send_hop(self.client, self.pods, self.metrics, "prefill", "prefill",
+        answer = await send_hop(self.pod_client, self.pods, self.metrics, "prefill", "prefill",
                                 self._chooser("prefill", prompt, None), endpoint,
-                                _dumps(prefill_body), _headers(request_id), timeout)
+                                _dumps(prefill_body), _headers(request_id),
+                                self._prefill_timeout)
         try:
             raw = await answer.response.read()
         except TRANSPORT_ERRORS as exc:
@@ -233,17 +240,17 @@ class Router:
     # ------------------------------------------------------------------ decode
     async def _decode(self, endpoint: str, body: dict[str, Any], prompt: Prompt,
                       first: Choice | None, request_id: str) -> Answer:
-        answer = await send_hop(self.client, self.pods, self.metrics, "decode", "decode",
+        answer = await send_hop(self.pod_client, self.pods, self.metrics, "decode", "decode",
                                 self._chooser("decode", prompt, first), endpoint, _dumps(body),
-                                _headers(request_id))
+                                _headers(request_id), self._decode_timeout)
         self._remember(answer.pod.name, prompt)
         return await self._relay(answer)
 
     async def relay_raw(self, endpoint: str, raw: bytes, request_id: str) -> Answer:
         """Plain proxying (one `both` pool, nothing to choose by prompt): the body as sent."""
-        answer = await send_hop(self.client, self.pods, self.metrics, "decode", "decode",
+        answer = await send_hop(self.pod_client, self.pods, self.metrics, "decode", "decode",
                                 self._chooser("decode", Prompt(None, None), None), endpoint, raw,
-                                _headers(request_id))
+                                _headers(request_id), self._decode_timeout)
         return await self._relay(answer)
 
     def can_relay_raw(self, raw: bytes) -> bool:
@@ -266,7 +273,7 @@ class Router:
     async def _stream(self, answer: HopResponse) -> AsyncGenerator[bytes, None]:
         """The decode pod's SSE chunks as they come; an error event if it dies mid-way."""
         try:
-            async for chunk in answer.response.content.iter_any():
+            async for chunk in answer.response.iter_chunks():
                 yield chunk
         except TRANSPORT_ERRORS as exc:
             self.metrics.stream_errors.inc()
