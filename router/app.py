@@ -15,7 +15,7 @@ import logging
 import re
 import uuid
 from collections.abc import AsyncGenerator, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -27,6 +27,9 @@ from kvferry.router.config import RouterSettings
 from kvferry.router.flow import Answer, Router
 from kvferry.router.hops import TRANSPORT_ERRORS, HopError
 import aiohttp
+
+if TYPE_CHECKING:
+    from kvferry.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvferry.router")
 
@@ -318,18 +321,18 @@ class CleanExitServer(uvicorn.Server):
             self._captured_signals.clear()
 
 
-def serve(settings: RouterSettings) -> int:
+def serve(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> int:
     """Runs the router until SIGTERM/SIGINT; returns the exit code."""
     try:
         import uvloop
     except ImportError:  # uvloop is optional (not on every platform)
-        return asyncio.run(_serve(settings))
+        return asyncio.run(_serve(settings, tokenizer))
     # uvicorn picks uvloop only in its own run(); serving from our loop needs it set here.
-    return uvloop.run(_serve(settings))
+    return uvloop.run(_serve(settings, tokenizer))
 
 
-async def _serve(settings: RouterSettings) -> int:
-    router = Router(settings)
+async def _serve(settings: RouterSettings, tokenizer: Tokenizer | None) -> int:
+    router = Router(settings, tokenizer)
     await router.start()
     config = uvicorn.Config(build_app(router), host=settings.host, port=settings.port,
                             log_level=settings.uvicorn_log_level, access_log=False,

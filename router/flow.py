@@ -14,7 +14,7 @@ import json
 import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -35,6 +35,9 @@ from kvferry.router.pod_client import HopTimeout, PodClient
 from kvferry.router.pods import Pod, PodDirectory
 from kvferry.router.policies import Choice, make_policy
 from kvferry.router.prefix_index import PrefixIndex, prompt_block_hashes
+
+if TYPE_CHECKING:
+    from kvferry.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvferry.router")
 
@@ -68,8 +71,11 @@ class Answer:
 class Router:
     """Shared by the routes: pods, policies, the prefix index, metrics and the HTTP client."""
 
-    def __init__(self, settings: RouterSettings) -> None:
+    def __init__(self, settings: RouterSettings, tokenizer: Tokenizer | None = None) -> None:
         self.settings = settings
+        # The engines' tokenizer, when the router was given it: text prompts are tokenized
+        # here, without a /tokenize round trip to a pod.
+        self.tokenizer = tokenizer
         self.pods = PodDirectory(settings.redis_url, settings.service, settings.registry_poll_s)
         self.index = PrefixIndex()
         self.kv_events = KVEventReader(settings.redis_url, settings.service, self.index)
@@ -168,13 +174,20 @@ class Router:
         return pods[0].record.block_size if pods else None
 
     async def _tokenize(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
-        """The prompt's token ids, from a pod's /tokenize (the engine's own tokenizer and
-        chat template); None when the prompt is not one text (the engine judges it)."""
+        """The prompt's token ids: from the router's own copy of the engines' tokenizer when
+        it has one and the prompt is one text, else from a pod's /tokenize (the engine's own
+        tokenizer and chat template); None when the prompt is neither (the engine judges)."""
+        if self.tokenizer is not None:
+            token_ids = _local_token_ids(self.tokenizer, endpoint, body)
+            if token_ids is not None:
+                self.metrics.tokenized.labels("router").inc()
+                return token_ids
         query = _tokenize_query(endpoint, body)
         pods = self.pods.pool("decode") or self.pods.pool("prefill")
         if query is None or not pods:
             return None
         pod = min(pods, key=lambda p: p.num_routed)
+        self.metrics.tokenized.labels("pod").inc()
         try:
             async with self.client.post(pod.url + "/tokenize", json=query,
                                         timeout=aiohttp.ClientTimeout(TOKENIZE_TIMEOUT_S)) as r:
@@ -318,6 +331,35 @@ def _batch_block_hashes(batch: list[list[int]], block_size: int) -> list[list[by
         return [prompt_block_hashes(token_ids, block_size) for token_ids in batch]
     except OverflowError:
         return None
+
+
+def _local_token_ids(tokenizer: Tokenizer, endpoint: str, body: dict[str, Any]
+                     ) -> list[int] | None:
+    """A /v1/completions text prompt's ids exactly as the engine encodes it; None for chat
+    (its template and options are the engine's) and for anything but one text."""
+    if endpoint.endswith("/chat/completions"):
+        return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    add_special_tokens = body.get("add_special_tokens", True)
+    if not isinstance(prompt, str) or not isinstance(add_special_tokens, bool):
+        return None
+    return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+
+def load_tokenizer(source: str) -> Tokenizer:
+    """The tokenizer of a checkpoint directory (or `demo`), as the engine loads it;
+    ValueError says why it cannot be loaded."""
+    from kvferry.engine.models.source import resolve_model_source
+    from kvferry.engine.tokenizer import Tokenizer
+
+    try:
+        return Tokenizer.from_pretrained(resolve_model_source(source))
+    except ValueError:
+        raise
+    except Exception as exc:  # the tokenizers library raises plain Exceptions
+        raise ValueError(f"cannot load a tokenizer from {source}: {exc}") from None
 
 
 def _tokenize_query(endpoint: str, body: dict[str, Any]) -> dict[str, Any] | None:

@@ -61,6 +61,10 @@ class RouterMetrics:
         self.predicted_hit_tokens = Labelled(Counter(
             "kvferry:router_predicted_prefix_hit_tokens",
             "Prompt tokens predicted to be in the chosen pod's prefix cache", ["pool"], registry=r))
+        self.tokenized = Labelled(Counter(
+            "kvferry:router_tokenized_prompts",
+            "Prompts tokenized for routing, by where: the router's own tokenizer or a pod's "
+            "/tokenize", ["where"], registry=r))
         self.kv_events = Gauge("kvferry:router_kv_event_batches",
                                "KV event batches (one engine step each) applied to the prefix "
                                "index since the router started", registry=r)

@@ -1,10 +1,13 @@
 """Prefix-aware routing against fake engine pods that publish KV events through the real
-registrar into a real Redis: token-id prompts are hashed by the router itself, and a pod
-that restarts under the same name loses what its previous process cached."""
+registrar into a real Redis: token-id prompts are hashed by the router itself, a pod that
+restarts under the same name loses what its previous process cached, and a router given
+the engines' tokenizer hashes text prompts without a pod's /tokenize."""
 
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +20,7 @@ import redis
 from procs import Proc, fake_engine, router_process
 
 from kvferry.engine.server.registry import kv_events_key
+from kvferry.engine.tokenizer import Tokenizer
 
 SERVICE = "prefix"
 BLOCK_SIZE = 16  # the fake pods' KV block size
@@ -184,3 +188,51 @@ def test_a_router_replaying_the_events_skips_a_restarted_pods_old_blocks(
     finally:
         late.stop()
     assert pod_of(pods, held + [3]) == ["pod-a"]
+
+
+def word_tokenizer(directory: Path) -> Tokenizer:
+    """A word-level tokenizer.json whose ids (100 and up) no fake /tokenize could give."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
+
+    words = "the river runs past a town where bridges cross it at dawn".split()
+    vocab = {"[UNK]": 0, **{word: 100 + i for i, word in enumerate(words)}}
+    backend = Backend(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    directory.mkdir(parents=True, exist_ok=True)
+    backend.save(str(directory / "tokenizer.json"))
+    return Tokenizer.from_pretrained(directory)
+
+
+def test_a_router_given_the_tokenizer_hashes_text_without_asking_a_pod(service: Service) -> None:
+    pods = service.pods
+    tokenizer = word_tokenizer(service.tmp / "words")
+    text = " ".join(["the river runs past a town where bridges cross it at dawn"] * 4)
+    token_ids = tokenizer.encode(text)
+    assert len(token_ids) >= 3 * BLOCK_SIZE
+    local = router_process(service.tmp, service.redis_url, SERVICE, "--tokenizer",
+                           str(service.tmp / "words"),
+                           env={"KVFERRY_ROUTING_DECODE": "prefix-aware"})
+    try:
+        cache(pods["pod-b"], local, token_ids)
+        calls = tokenize_calls(pods)
+        complete(local, text)
+        assert pod_of(pods, text) == ["pod-b"]
+        assert tokenize_calls(pods) == calls
+        # Chat goes through the engine's template: a pod still tokenizes it.
+        chat = openai.OpenAI(base_url=url(local) + "/v1", api_key="none", max_retries=0)
+        chat.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}])
+        assert tokenize_calls(pods) == calls + 1
+        assert metric(local, 'kvferry:router_tokenized_prompts_total{where="router"}') == 1
+    finally:
+        local.stop()
+
+
+def test_a_tokenizer_that_cannot_be_loaded_is_a_clear_cli_error(tmp_path: Path,
+                                                                  redis_url: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvferry.engine.cli", "router", "--service", SERVICE,
+         "--redis", redis_url, "--tokenizer", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2
+    assert "kvferry router: error:" in result.stderr and "tokenizer.json" in result.stderr
