@@ -54,6 +54,7 @@ class PodConnection(asyncio.Protocol):
         self.is_headers_complete = False
         self.is_message_complete = False
         self._is_keep_alive = False
+        self.num_received = 0  # bytes of the answer in progress
         self._chunks: list[bytes] = []
         self._num_buffered = 0
         self._is_paused = False
@@ -63,6 +64,7 @@ class PodConnection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        self.num_received += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -109,6 +111,8 @@ class PodConnection(asyncio.Protocol):
         self.is_headers_complete = False
         self.is_message_complete = False
         self._is_keep_alive = False
+        self.num_received = 0
+        self._error = None
         self._chunks = []
         self._num_buffered = 0
         self.transport.write(request)
@@ -217,12 +221,25 @@ class PodClient:
         """POSTs `body` to the pod at `base_url`; returns once the answer's headers are in."""
         loop = self._loop = asyncio.get_running_loop()
         host, port, host_header = self._address(base_url)
+        request = _request_bytes(path, host_header, headers, body)
         deadline = loop.time() + timeout.total_s if timeout.total_s is not None else None
         key = (host, port)
         conn = self._idle_connection(key, loop.time())
-        if conn is None:
-            conn = await self._connect(loop, host, port, timeout, deadline)
-        conn.start(_request_bytes(path, host_header, headers, body))
+        if conn is not None:
+            try:
+                return await self._exchange(key, conn, request, timeout, deadline)
+            except ConnectionError:
+                if conn.num_received:
+                    raise
+                # Closed by the pod as the request went out (an idle connection timing out
+                # there): the request was never read, so it goes again on a new connection.
+        conn = await self._connect(loop, host, port, timeout, deadline)
+        return await self._exchange(key, conn, request, timeout, deadline)
+
+    async def _exchange(self, key: tuple[str, int], conn: PodConnection, request: bytes,
+                        timeout: HopTimeout, deadline: float | None) -> PodResponse:
+        """Sends the request on `conn` and waits for the answer's headers."""
+        conn.start(request)
         try:
             while not conn.is_headers_complete:
                 await conn.wait(self.wait_s(timeout, deadline))

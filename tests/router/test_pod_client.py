@@ -212,3 +212,39 @@ def test_a_connection_the_pod_closed_while_idle_is_not_reused() -> None:
 def test_bad_http_from_a_pod_is_a_connection_error() -> None:
     with pytest.raises(ConnectionError, match="bad HTTP"):
         run(raw_server(b"NOT HTTP AT ALL\r\n\r\n", close_after=False))
+
+
+def test_a_request_the_pod_dropped_unread_on_a_kept_connection_goes_again() -> None:
+    """A pod closing a kept-alive connection just as the next request arrives (its idle
+    timeout) never read that request: it is sent again on a new connection."""
+    answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+
+    async def body(client: PodClient) -> tuple[list[tuple[int, bytes]], int]:
+        accepted = 0
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal accepted
+            accepted += 1
+            for index in range(2):
+                await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(len(WHOLE_BODY))
+                if accepted == 1 and index == 1:
+                    break  # the second request on the first connection: dropped unanswered
+                writer.write(answer)
+                await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        results = []
+        try:
+            for _ in range(2):
+                response = await client.post(f"http://127.0.0.1:{port}", "/v1/completions",
+                                             WHOLE_BODY, HEADERS, TIMEOUT)
+                results.append((response.status, await response.read()))
+                response.release()
+        finally:
+            server.close()
+        return results, accepted
+
+    assert run(body) == ([(200, b"ok"), (200, b"ok")], 2)
