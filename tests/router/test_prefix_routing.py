@@ -66,7 +66,8 @@ def cache(pod: Proc, router: Proc, token_ids: list[int]) -> None:
 def pod_of(pods: dict[str, Proc], prompt: object) -> list[str]:
     """The pods that were sent a request with this exact prompt."""
     return [name for name, pod in pods.items()
-            if any(b.get("prompt") == prompt for b in httpx.get(url(pod) + "/fake/requests").json())]
+            if any(body.get("prompt") == prompt
+                   for body in httpx.get(url(pod) + "/fake/requests").json())]
 
 
 def tokenize_calls(pods: dict[str, Proc]) -> int:
