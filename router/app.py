@@ -130,7 +130,7 @@ class Gate:
     async def _answer(self, endpoint: str, raw: bytes, request_id: str) -> Answer:
         if self.router.can_relay_raw(raw):
             return await self.router.relay_raw(endpoint, raw, request_id)
-        return await self.router.generate(endpoint, _json_object(raw), request_id)
+        return await self.router.generate(endpoint, _json_object(raw), request_id, raw)
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:

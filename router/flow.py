@@ -106,10 +106,15 @@ class Router:
         await self.pod_client.close()
 
     # ------------------------------------------------------------------ the whole request
-    async def generate(self, endpoint: str, body: dict[str, Any], request_id: str) -> Answer:
-        """Runs one /v1/completions or /v1/chat/completions request through the pools."""
-        body.pop(KV_TRANSFER_FIELD, None)
-        self._pools_seen.update(p for p, names in self.pods.pools().items() if names)
+    async def generate(self, endpoint: str, body: dict[str, Any], request_id: str,
+                       raw: bytes | None = None) -> Answer:
+        """Runs one /v1/completions or /v1/chat/completions request through the pools.
+        `raw` is the body as the client sent it: the decode pod gets it unchanged unless the
+        router had to drop or add transfer params (saving a serialization per request)."""
+        if KV_TRANSFER_FIELD in body:
+            del body[KV_TRANSFER_FIELD]
+            raw = None
+        self._pools_seen.update(self.pods.pool_names())
         prompt = await self._prompt(endpoint, body)
         # An encoder hop (encoder-decoder models) goes here, before prefill: it will run the
         # encoder pool's pod and add its own transfer params for the prefill pod to pull.
@@ -117,8 +122,9 @@ class Router:
         params = await self._maybe_prefill(endpoint, body, prompt, decode, request_id)
         if params is not None:
             body = {**body, KV_TRANSFER_FIELD: params}
-        answer = await self._decode(endpoint, body, prompt, decode, request_id)
-        return answer
+            raw = None
+        payload = raw if raw is not None else _dumps(body)
+        return await self._decode(endpoint, payload, prompt, decode, request_id)
 
     # ------------------------------------------------------------------ choosing pods
     def _choose(self, pool: str, prompt: Prompt) -> Choice | None:
@@ -251,10 +257,10 @@ class Router:
         return params
 
     # ------------------------------------------------------------------ decode
-    async def _decode(self, endpoint: str, body: dict[str, Any], prompt: Prompt,
+    async def _decode(self, endpoint: str, payload: bytes, prompt: Prompt,
                       first: Choice | None, request_id: str) -> Answer:
         answer = await send_hop(self.pod_client, self.pods, self.metrics, "decode", "decode",
-                                self._chooser("decode", prompt, first), endpoint, _dumps(body),
+                                self._chooser("decode", prompt, first), endpoint, payload,
                                 _headers(request_id), self._decode_timeout)
         self._remember(answer.pod.name, prompt)
         return await self._relay(answer)

@@ -77,6 +77,10 @@ class PodDirectory:
         healthy = [p for p in pods if self._failed_until.get(p.name, 0.0) <= now]
         return healthy or pods
 
+    def pool_names(self) -> list[str]:
+        """The pools that have live pods now."""
+        return list(self._by_pool)
+
     def pools(self) -> dict[str, list[str]]:
         """pool -> names of its live pods (for /health)."""
         out: dict[str, list[str]] = {}
