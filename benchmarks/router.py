@@ -1,11 +1,13 @@
 """The router's own cost: the router in front of fake engine pods that answer at once,
-against the same load sent to a fake pod directly, in the same run.
+against the same load sent to a fake pod directly and, when it is installed (the `bench`
+extra), through vllm-router (a Rust router) in front of the same pods, in the same run.
 
 For 1, 64 and 512 concurrent streams (streamed completions, read to the end) it prints
-requests/s and p50/p99 latency of both paths and the latency the router adds. The last
-line is JSON; `ratio` is the router's requests/s over the direct path's at 64 streams.
+requests/s and p50/p99 latency of each path and the latency each router adds. The last
+line is JSON; `ratio` is kvferry's requests/s over the direct path's at 64 streams, and
+`ratio_vs_vllm_router` kvferry's requests/s over vllm-router's at each stream count.
 
-    python benchmarks/router.py [--seconds 5] [--pods 2]
+    python benchmarks/router.py [--seconds 5] [--pods 2] [--streams 1 64 512]
 """
 
 from __future__ import annotations
@@ -14,17 +16,19 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "router"))
-from procs import Proc, fake_engine, redis_server, router_process  # noqa: E402
+from procs import Proc, free_port, fake_engine, redis_server, router_process, wait_http  # noqa: E402,E501
 
 BODY = {"model": "fake", "prompt": "Hello", "max_tokens": 3, "stream": True}
 SERVICE = "bench"
@@ -70,42 +74,103 @@ def run_load(url: str, concurrency: int, seconds: float) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def vllm_router_binary() -> str | None:
+    """vllm-router's launcher: beside this interpreter (a venv) or on PATH; None when absent."""
+    beside = Path(sys.executable).parent / "vllm-router"
+    return str(beside) if beside.exists() else shutil.which("vllm-router")
+
+
+def vllm_router_process(binary: str, tmp: Path, pod_ports: list[int]) -> Proc:
+    """vllm-router round-robining over the same pods; kvferry's own round-robin/least-loaded
+    choice is about as cheap. Its 60 s health checks and queue never come into play."""
+    port = free_port()
+    workers = [f"http://127.0.0.1:{p}" for p in pod_ports]
+    proc = Proc([binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+                 "--policy", "round_robin", "--log-level", "warning",
+                 "--prometheus-port", str(free_port())], tmp / "vllm-router.log")
+    proc.port = port  # type: ignore[attr-defined]
+    wait_http(f"http://127.0.0.1:{port}/health", proc, 60)
+    return proc
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--pods", type=int, default=2)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 64, 512])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp_name, redis_server(Path(tmp_name)) as redis_url:
         tmp = Path(tmp_name)
-        pods = [fake_engine(tmp, redis_url, SERVICE, "both", f"pod-{i}") for i in range(args.pods)]
-        router = router_process(tmp, redis_url, SERVICE)
+        procs: list[Proc] = []
         try:
+            pods = [fake_engine(tmp, redis_url, SERVICE, "both", f"pod-{i}")
+                    for i in range(args.pods)]
+            procs += pods
+            router = router_process(tmp, redis_url, SERVICE)
+            procs.append(router)
+            ports = {"direct": pods[0].port, "kvferry": router.port}  # type: ignore[attr-defined]
+            binary = vllm_router_binary()
+            if binary is None:
+                print("vllm-router is not installed (pip install 'kvferry[bench]'): "
+                      "measuring without it")
+            else:
+                baseline = vllm_router_process(binary, tmp, [p.port for p in pods])  # type: ignore[attr-defined]
+                procs.append(baseline)
+                ports["vllm-router"] = baseline.port  # type: ignore[attr-defined]
             time.sleep(1.0)  # the router's first registry reads
-            results = measure(pods[0].port, router.port, args.seconds)  # type: ignore[attr-defined]
+            results = measure(ports, args.streams, args.seconds)
         finally:
-            for proc in [router, *pods]:
+            for proc in reversed(procs):
                 proc.stop()
     print(json.dumps(results))
 
 
-def measure(direct_port: int, router_port: int, seconds: float) -> dict[str, object]:
-    rows = {}
-    print(f"{'streams':>8} {'direct rps':>11} {'router rps':>11} {'direct p50':>11} "
-          f"{'router p50':>11} {'added p50':>10} {'added p99':>10}  (ms)")
-    for concurrency in (1, 64, 512):
-        direct = run_load(f"http://127.0.0.1:{direct_port}/v1/completions", concurrency, seconds)
-        routed = run_load(f"http://127.0.0.1:{router_port}/v1/completions", concurrency, seconds)
-        row = {"direct": direct, "router": routed,
-               "added_p50_ms": routed["p50_ms"] - direct["p50_ms"],
-               "added_p99_ms": routed["p99_ms"] - direct["p99_ms"]}
+def measure(ports: dict[str, int], streams: list[int], seconds: float) -> dict[str, object]:
+    """Each path in turn at each stream count; `ports` maps a path's name to its port, with
+    "direct" the fake pod itself."""
+    routers = [name for name in ports if name != "direct"]
+    rows: dict[str, dict[str, Any]] = {}
+    print(f"{'streams':>8} {'path':>12} {'rps':>8} {'p50':>8} {'p99':>8} {'added p50':>10} "
+          f"{'added p99':>10}  (ms)")
+    for concurrency in streams:
+        row: dict[str, Any] = {}
+        for name, port in ports.items():
+            row[name] = run_load(f"http://127.0.0.1:{port}/v1/completions", concurrency, seconds)
+        direct = row["direct"]
+        for name in routers:
+            figures = row[name]
+            figures["added_p50_ms"] = figures["p50_ms"] - direct["p50_ms"]
+            figures["added_p99_ms"] = figures["p99_ms"] - direct["p99_ms"]
+        for name in ports:
+            f = row[name]
+            added = (f"{f['added_p50_ms']:>10.3f} {f['added_p99_ms']:>10.3f}"
+                     if name != "direct" else "")
+            print(f"{concurrency:>8} {name:>12} {f['rps']:>8.0f} {f['p50_ms']:>8.3f} "
+                  f"{f['p99_ms']:>8.3f} {added}", flush=True)
+        if "vllm-router" in row:
+            row["kvferry_over_vllm_router"] = row["kvferry"]["rps"] / row["vllm-router"]["rps"]
+            print(f"{concurrency:>8} kvferry req/s / vllm-router req/s = "
+                  f"{row['kvferry_over_vllm_router']:.2f}", flush=True)
         rows[str(concurrency)] = row
-        print(f"{concurrency:>8} {direct['rps']:>11.0f} {routed['rps']:>11.0f} "
-              f"{direct['p50_ms']:>11.3f} {routed['p50_ms']:>11.3f} {row['added_p50_ms']:>10.3f} "
-              f"{row['added_p99_ms']:>10.3f}", flush=True)
-    return {"benchmark": "router", "cpus": os.cpu_count(),
-            "ratio": rows["64"]["router"]["rps"] / rows["64"]["direct"]["rps"],
-            "router_rps_max": max(r["router"]["rps"] for r in rows.values()),
-            "added_p50_ms_1_stream": rows["1"]["added_p50_ms"], "by_streams": rows}
+    return summary(rows)
+
+
+def summary(rows: dict[str, dict[str, Any]]) -> dict[str, object]:
+    """The JSON line: headline figures first, every measurement under `by_streams`."""
+    first = rows[next(iter(rows))]
+    ratio_row = rows.get("64", first)
+    out: dict[str, object] = {
+        "benchmark": "router", "cpus": os.cpu_count(),
+        "ratio": ratio_row["kvferry"]["rps"] / ratio_row["direct"]["rps"],
+        "router_rps_max": max(r["kvferry"]["rps"] for r in rows.values()),
+        "added_p50_ms_1_stream": rows["1"]["kvferry"]["added_p50_ms"] if "1" in rows else None,
+    }
+    if "kvferry_over_vllm_router" in first:
+        out["ratio_vs_vllm_router"] = {k: r["kvferry_over_vllm_router"] for k, r in rows.items()}
+        out["vllm_router_added_p50_ms_1_stream"] = (
+            rows["1"]["vllm-router"]["added_p50_ms"] if "1" in rows else None)
+    out["by_streams"] = rows
+    return out
 
 
 if __name__ == "__main__":

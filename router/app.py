@@ -9,23 +9,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import itertools
 import json
 import logging
 import re
 import uuid
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import AsyncGenerator, Iterator
+from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
 from kvferry.engine.server.errors import error_body
 from kvferry.router.config import RouterSettings
 from kvferry.router.flow import Answer, Router
 from kvferry.router.hops import TRANSPORT_ERRORS, HopError
-import aiohttp
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from kvferry.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvferry.router")
 
@@ -41,6 +44,10 @@ def error_json(status: int, message: str, code: str | None = None,
 
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# The last event of an OpenAI stream.
+SSE_DONE = b"data: [DONE]\n\n"
+# How long a stream runs before the router starts watching for its client leaving.
+WATCH_DISCONNECT_AFTER_S = 0.05
 
 
 class Gate:
@@ -53,6 +60,13 @@ class Gate:
         self.router = router
         self.keys = [k.encode() for k in router.settings.api_keys]
         self.max_body_bytes = router.settings.max_body_bytes
+        # Request ids: a random prefix per router process and a counter (unique across
+        # routers and restarts, without a uuid4's urandom call and object per request).
+        self._id_prefix = uuid.uuid4().hex[:16]
+        self._id_counter = itertools.count()
+
+    def _new_id(self) -> str:
+        return f"{self._id_prefix}{next(self._id_counter):016x}"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -60,7 +74,7 @@ class Gate:
             return
         headers = dict(scope.get("headers", ()))
         given = headers.get(b"x-request-id", b"").decode("latin-1")
-        request_id = given if _REQUEST_ID_PATTERN.match(given) else uuid.uuid4().hex
+        request_id = given if given and _REQUEST_ID_PATTERN.match(given) else self._new_id()
         scope.setdefault("state", {})["request_id"] = request_id
         path = scope["path"]
         refusal = self._refusal(path, headers)
@@ -115,7 +129,7 @@ class Gate:
     async def _answer(self, endpoint: str, raw: bytes, request_id: str) -> Answer:
         if self.router.can_relay_raw(raw):
             return await self.router.relay_raw(endpoint, raw, request_id)
-        return await self.router.generate(endpoint, _json_object(raw), request_id)
+        return await self.router.generate(endpoint, _json_object(raw), request_id, raw)
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -160,18 +174,41 @@ async def _send_answer(send: Send, receive: Receive, answer: Answer, request_id:
         await send({"type": "http.response.body", "body": body})
         return
     await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    await _relay_chunks(send, receive, answer.chunks)
+
+
+async def _relay_chunks(send: Send, receive: Receive, chunks: AsyncGenerator[bytes, None]
+                        ) -> None:
+    """Sends the pod's SSE chunks on as they come. The chunk ending in `data: [DONE]` ends
+    the client's response at once (no separate empty write after it); what the pod still
+    sends after it, normally nothing but the end of its chunked body, is read and dropped so
+    its connection stays reusable."""
     # A client that goes away ends the relay at the next chunk; closing the stream closes the
     # pod's connection, and the engine aborts the request instead of generating for no one.
-    gone = asyncio.ensure_future(_wait_disconnect(receive))
+    # Watching costs a task, so it starts once the stream has lasted WATCH_DISCONNECT_AFTER_S:
+    # a client that leaves sooner costs the engine at most that much generation.
+    loop = asyncio.get_running_loop()
+    watch_from = loop.time() + WATCH_DISCONNECT_AFTER_S
+    gone: asyncio.Future[None] | None = None
+    is_complete = False
     try:
-        async with contextlib.aclosing(answer.chunks) as chunks:
-            async for chunk in chunks:
-                if gone.done():
+        async with contextlib.aclosing(chunks) as stream:
+            async for chunk in stream:
+                if is_complete:
+                    continue
+                if gone is None:
+                    if loop.time() >= watch_from:
+                        gone = asyncio.ensure_future(_wait_disconnect(receive))
+                elif gone.done():
                     return
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
+                is_complete = chunk.endswith(SSE_DONE)
+                await send({"type": "http.response.body", "body": chunk,
+                            "more_body": not is_complete})
+        if not is_complete:
+            await send({"type": "http.response.body", "body": b""})
     finally:
-        gone.cancel()
+        if gone is not None:
+            gone.cancel()
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -207,12 +244,14 @@ def _too_large(limit: int) -> JSONResponse:
                       code="request_too_large")
 
 
-def build_app(router: Router) -> FastAPI:
+def build_app(router: Router) -> Gate:
+    """The gate in front of FastAPI, not inside its middleware stack: generation requests
+    never pass through Starlette's error and body-limit layers (each costs a send wrapper
+    and a coroutine per request); the rest reaches FastAPI's routes as before."""
     app = FastAPI(title="kvferry router", docs_url=None, redoc_url=None)
     _add_passthrough_routes(app, router)
     _add_probe_routes(app, router)
-    app.add_middleware(Gate, router=router)
-    return app
+    return Gate(app, router)
 
 
 def _add_passthrough_routes(app: FastAPI, router: Router) -> None:
@@ -281,22 +320,25 @@ class CleanExitServer(uvicorn.Server):
             self._captured_signals.clear()
 
 
-def serve(settings: RouterSettings) -> int:
+def serve(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> int:
     """Runs the router until SIGTERM/SIGINT; returns the exit code."""
     try:
         import uvloop
     except ImportError:  # uvloop is optional (not on every platform)
-        return asyncio.run(_serve(settings))
+        return asyncio.run(_serve(settings, tokenizer))
     # uvicorn picks uvloop only in its own run(); serving from our loop needs it set here.
-    return uvloop.run(_serve(settings))
+    return uvloop.run(_serve(settings, tokenizer))
 
 
-async def _serve(settings: RouterSettings) -> int:
-    router = Router(settings)
+async def _serve(settings: RouterSettings, tokenizer: Tokenizer | None) -> int:
+    router = Router(settings, tokenizer)
     await router.start()
     config = uvicorn.Config(build_app(router), host=settings.host, port=settings.port,
                             log_level=settings.uvicorn_log_level, access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=3)
+                            lifespan="off", timeout_graceful_shutdown=3,
+                            # Nothing here reads the client's address, and clients need
+                            # no `server` header: both would cost work on every request.
+                            proxy_headers=False, server_header=False)
     server = CleanExitServer(config)
     logger.info("routing service %s on http://%s:%d (policies: %s)", settings.service,
                 settings.host, settings.port,

@@ -35,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S")
     parser.add_argument("--decode-timeout", type=float, default=120.0, metavar="S",
                         help="longest wait for the next chunk of a decode answer")
+    parser.add_argument("--tokenizer", default=os.environ.get("KVFERRY_ROUTER_TOKENIZER") or None,
+                        metavar="DIR",
+                        help="the engines' tokenizer (their checkpoint directory, or demo): "
+                             "text prompts are tokenized here for prefix-aware routing "
+                             "instead of by a pod's /tokenize (default "
+                             "$KVFERRY_ROUTER_TOKENIZER; unset: ask a pod)")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
 
@@ -56,7 +62,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Rou
         api_keys=frozenset(keys), policies=policies_from_env(environ),
         prefill_threshold_tokens=args.prefill_threshold, max_body_bytes=args.max_body_bytes,
         timeouts=HopTimeouts(args.connect_timeout, args.prefill_timeout, args.decode_timeout),
-        uvicorn_log_level=args.uvicorn_log_level,
+        uvicorn_log_level=args.uvicorn_log_level, tokenizer=args.tokenizer,
     )
 
 
@@ -65,11 +71,14 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # One line per proxied request would cost more than the proxying itself.
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    from kvferry.router.flow import load_tokenizer
+
     try:
         settings = settings_from_args(args, dict(os.environ))
+        tokenizer = load_tokenizer(settings.tokenizer) if settings.tokenizer else None
     except (OSError, ValueError) as exc:
         print(f"kvferry router: error: {exc}", file=sys.stderr)
         return 2
     from kvferry.router.app import serve
 
-    return serve(settings)
+    return serve(settings, tokenizer)

@@ -44,6 +44,9 @@ class RouterSettings:
     # How often the router rereads the pod registry.
     registry_poll_s: float = 0.25
     uvicorn_log_level: str = "warning"
+    # The engines' tokenizer (a checkpoint directory or `demo`): text completion prompts are
+    # tokenized in the router instead of by a pod's /tokenize. None: always ask a pod.
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         for pool, policy in self.policies.items():

@@ -7,7 +7,10 @@ registers in the pod registry like `kvferry serve`, and plays a prefill pod's pa
 `GET /fake/requests` lists the bodies it received; `POST /fake/behaviour` with
 `{"behaviour": "ok" | "refuse" | "cut" | "drop" | "hang" | "hold"}` makes it answer 503, cut
 streams after one chunk or before the first, never answer, or hold requests until the
-behaviour changes and then answer them.
+behaviour changes and then answer them. `POST /fake/cache` with `{"token_ids": [...]}` has it
+publish KV events as an engine whose prefix cache now holds that prompt's full blocks;
+`GET /fake/tokenize_calls` counts the /tokenize requests it answered, and
+`GET /fake/connections` the client connections its generation requests came on.
 """
 
 from __future__ import annotations
@@ -19,9 +22,14 @@ import os
 from typing import Any
 
 import uvicorn
+from kvferry.engine.kv_cache.hashing import hash_request_blocks
+from kvferry.engine.messages import SchedulerStats
+from kvferry.engine.server.registry import PodRegistrar
 from starlette.types import Receive, Scope, Send
 
 TOKENS = (" a", " b", " c")
+# Tokens per KV block it registers with (the router hashes prompts by it).
+BLOCK_SIZE = 16
 
 
 class FakeEngine:
@@ -33,6 +41,11 @@ class FakeEngine:
         self.behaviour = "ok"
         self._behaviour_changed = asyncio.Event()
         self.received: list[dict[str, Any]] = []
+        self.num_tokenize_calls = 0
+        # (host, port) of the connections generation requests came on.
+        self.connections: set[tuple[str, int]] = set()
+        # Set when it registers in Redis: its KV events go out through it.
+        self.registrar: PodRegistrar | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -43,6 +56,8 @@ class FakeEngine:
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
+        if scope["path"].startswith("/v1/"):
+            self.connections.add(tuple(scope["client"]))  # type: ignore[arg-type]
         await self._route(scope["method"], scope["path"], body, send)
 
     async def _route(self, method: str, path: str, body: bytes, send: Send) -> None:
@@ -55,7 +70,14 @@ class FakeEngine:
             self._behaviour_changed.set()
             self._behaviour_changed = asyncio.Event()
             await _send(send, 200, b"{}")
+        elif path == "/fake/cache":
+            await _send(send, *self._cache(json.loads(body)["token_ids"]))
+        elif path == "/fake/connections":
+            await _send(send, 200, json.dumps(len(self.connections)).encode())
+        elif path == "/fake/tokenize_calls":
+            await _send(send, 200, json.dumps(self.num_tokenize_calls).encode())
         elif path == "/tokenize":
+            self.num_tokenize_calls += 1
             prompt = json.loads(body).get("prompt") or ""
             tokens = [len(word) for word in str(prompt).split()]
             await _send(send, 200, json.dumps({"tokens": tokens, "count": len(tokens)}).encode())
@@ -63,6 +85,15 @@ class FakeEngine:
             await self._generate(path, json.loads(body), send)
         else:
             await _send(send, 404, b'{"error": {"message": "not found"}}')
+
+    def _cache(self, token_ids: list[int]) -> tuple[int, bytes]:
+        """Publishes `stored` KV events for the prompt's full blocks, hashed as the engine's
+        block pool hashes them, through the same registrar path an engine step takes."""
+        if self.registrar is None:
+            return 409, b'{"error": {"message": "not registered in Redis"}}'
+        hashes = hash_request_blocks(token_ids, BLOCK_SIZE, [])
+        self.registrar.record_stats(SchedulerStats(stored_block_hashes=hashes), None)
+        return 200, json.dumps({"num_blocks": len(hashes)}).encode()
 
     async def _generate(self, path: str, body: dict[str, Any], send: Send) -> None:
         if self.behaviour == "hold":
@@ -136,12 +167,13 @@ async def _main(args: argparse.Namespace) -> None:
                      args.role)
     registrar = None
     if args.redis:
-        from kvferry.engine.server.registry import PodRegistrar, registration_settings
+        from kvferry.engine.server.registry import registration_settings
 
         settings = registration_settings(args.redis, args.service, args.role, args.host,
                                          args.port, None)
-        registrar = PodRegistrar(settings, "fake", block_size=16)
+        registrar = PodRegistrar(settings, "fake", block_size=BLOCK_SIZE)
         registrar.start()
+        app.registrar = registrar
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             access_log=False, lifespan="off")
     try:

@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-
 from kvferry.engine.server.errors import error_body
 from kvferry.router.config import RouterSettings
 from kvferry.router.hops import (
@@ -31,9 +30,13 @@ from kvferry.router.hops import (
 )
 from kvferry.router.kv_events import KVEventReader
 from kvferry.router.metrics import RouterMetrics
+from kvferry.router.pod_client import HopTimeout, PodClient
 from kvferry.router.pods import Pod, PodDirectory
 from kvferry.router.policies import Choice, Policy, PrefixAware, make_policy
 from kvferry.router.prefix_index import PrefixIndex, prompt_block_hashes
+
+if TYPE_CHECKING:
+    from kvferry.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvferry.router")
 
@@ -44,10 +47,14 @@ TOKENIZE_TIMEOUT_S = 10.0
 
 @dataclass
 class Prompt:
-    """What the router knows of a request's prompt before choosing pods."""
+    """What the router knows of a request's prompt before choosing pods. A /v1/completions
+    batch (several prompts in one request) is judged by its first prompt; the pod it goes to
+    computes and caches every one of them."""
 
     token_ids: list[int] | None  # None: not tokenized (no policy needs it)
     block_hashes: list[bytes] | None  # the engine's hashes of its full blocks
+    # The block hashes of every prompt of the request, block_hashes first.
+    batch_hashes: list[list[bytes]] = field(default_factory=list)
 
 
 @dataclass
@@ -63,8 +70,11 @@ class Answer:
 class Router:
     """Shared by the routes: pods, policies, the prefix index, metrics and the HTTP client."""
 
-    def __init__(self, settings: RouterSettings) -> None:
+    def __init__(self, settings: RouterSettings, tokenizer: Tokenizer | None = None) -> None:
         self.settings = settings
+        # The engines' tokenizer, when the router was given it: text prompts are tokenized
+        # here, without a /tokenize round trip to a pod.
+        self.tokenizer = tokenizer
         self.pods = PodDirectory(settings.redis_url, settings.service, settings.registry_poll_s)
         self.index = PrefixIndex()
         self.kv_events = KVEventReader(settings.redis_url, settings.service, self.index)
@@ -74,6 +84,12 @@ class Router:
         self.policies = {pool: make_policy(name, self.index)
                          for pool, name in settings.policies.items()}
         self.client = make_client(settings.timeouts)
+        self.pod_client = PodClient()
+        timeouts = settings.timeouts
+        self._decode_timeout = HopTimeout(connect_s=timeouts.connect_s,
+                                          read_s=timeouts.decode_read_s)
+        self._prefill_timeout = HopTimeout(connect_s=timeouts.connect_s,
+                                           total_s=timeouts.prefill_s)
 
     async def start(self) -> None:
         self.pods.start()
@@ -84,11 +100,17 @@ class Router:
         await self.kv_events.stop()
         await self.pods.stop()
         await self.client.close()
+        await self.pod_client.close()
 
     # ------------------------------------------------------------------ the whole request
-    async def generate(self, endpoint: str, body: dict[str, Any], request_id: str) -> Answer:
-        """Runs one /v1/completions or /v1/chat/completions request through the pools."""
-        body.pop(KV_TRANSFER_FIELD, None)
+    async def generate(self, endpoint: str, body: dict[str, Any], request_id: str,
+                       raw: bytes | None = None) -> Answer:
+        """Runs one /v1/completions or /v1/chat/completions request through the pools.
+        `raw` is the body as the client sent it: the decode pod gets it unchanged unless the
+        router had to drop or add transfer params (saving a serialization per request)."""
+        if KV_TRANSFER_FIELD in body:
+            del body[KV_TRANSFER_FIELD]
+            raw = None
         prompt = await self._prompt(endpoint, body)
         # An encoder hop (encoder-decoder models) goes here, before prefill: it will run the
         # encoder pool's pod and add its own transfer params for the prefill pod to pull.
@@ -96,11 +118,12 @@ class Router:
         params = await self._maybe_prefill(endpoint, body, prompt, decode, request_id)
         if params is not None:
             body = {**body, KV_TRANSFER_FIELD: params}
+            raw = None
             # Loads seen before the prefill hop are stale by now (requests that came
             # meanwhile saw the same ones): the decode pod is chosen when the hop goes.
             decode = None
-        answer = await self._decode(endpoint, body, prompt, decode, request_id)
-        return answer
+        payload = raw if raw is not None else _dumps(body)
+        return await self._decode(endpoint, payload, prompt, decode, request_id)
 
     # ------------------------------------------------------------------ choosing pods
     def _cache_choice(self, prompt: Prompt) -> Choice | None:
@@ -145,27 +168,37 @@ class Router:
     async def _prompt(self, endpoint: str, body: dict[str, Any]) -> Prompt:
         if not self._needs_tokens():
             return Prompt(None, None)
-        token_ids = await self._tokenize(endpoint, body)
-        if token_ids is None:
+        batch = _given_token_ids(endpoint, body)
+        if batch is None:  # text or chat messages: the engine's tokenizer says
+            token_ids = await self._tokenize(endpoint, body)
+            batch = [token_ids] if token_ids is not None else None
+        if batch is None:
             return Prompt(None, None)
         block_size = self._block_size()
-        hashes = prompt_block_hashes(token_ids, block_size) if block_size else None
-        return Prompt(token_ids, hashes)
+        hashes = _batch_block_hashes(batch, block_size) if block_size else None
+        if hashes is None:
+            return Prompt(batch[0], None)
+        return Prompt(batch[0], hashes[0], hashes)
 
     def _block_size(self) -> int | None:
         pods = self.pods.pool("decode") or self.pods.pool("prefill")
         return pods[0].record.block_size if pods else None
 
     async def _tokenize(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
-        """The prompt's token ids, from a pod's /tokenize (the engine's own tokenizer and
-        chat template); None when the prompt is not one text (the engine judges it)."""
+        """The prompt's token ids: from the router's own copy of the engines' tokenizer when
+        it has one and the prompt is one text, else from a pod's /tokenize (the engine's own
+        tokenizer and chat template); None when the prompt is neither (the engine judges)."""
+        if self.tokenizer is not None:
+            token_ids = _local_token_ids(self.tokenizer, endpoint, body)
+            if token_ids is not None:
+                self.metrics.tokenized.labels("router").inc()
+                return token_ids
         query = _tokenize_query(endpoint, body)
-        if isinstance(query, list):
-            return query
         pods = self.pods.pool("decode") or self.pods.pool("prefill")
         if query is None or not pods:
             return None
         pod = min(pods, key=lambda p: p.num_routed)
+        self.metrics.tokenized.labels("pod").inc()
         try:
             async with self.client.post(pod.url + "/tokenize", json=query,
                                         timeout=aiohttp.ClientTimeout(TOKENIZE_TIMEOUT_S)) as r:
@@ -209,11 +242,10 @@ class Router:
         prefill_body.pop("stream_options", None)
         if "max_completion_tokens" in prefill_body:
             prefill_body["max_completion_tokens"] = 1
-        timeouts = self.settings.timeouts
-        timeout = aiohttp.ClientTimeout(total=timeouts.prefill_s, sock_connect=timeouts.connect_s)
-        answer = await send_hop(self.client, self.pods, self.metrics, "prefill", "prefill",
+        answer = await send_hop(self.pod_client, self.pods, self.metrics, "prefill", "prefill",
                                 self._chooser("prefill", prompt, None), endpoint,
-                                _dumps(prefill_body), _headers(request_id), timeout)
+                                _dumps(prefill_body), _headers(request_id),
+                                self._prefill_timeout)
         try:
             raw = await answer.response.read()
         except TRANSPORT_ERRORS as exc:
@@ -230,19 +262,19 @@ class Router:
         return params
 
     # ------------------------------------------------------------------ decode
-    async def _decode(self, endpoint: str, body: dict[str, Any], prompt: Prompt,
+    async def _decode(self, endpoint: str, payload: bytes, prompt: Prompt,
                       first: Choice | None, request_id: str) -> Answer:
-        answer = await send_hop(self.client, self.pods, self.metrics, "decode", "decode",
-                                self._chooser("decode", prompt, first), endpoint, _dumps(body),
-                                _headers(request_id))
+        answer = await send_hop(self.pod_client, self.pods, self.metrics, "decode", "decode",
+                                self._chooser("decode", prompt, first), endpoint, payload,
+                                _headers(request_id), self._decode_timeout)
         self._remember(answer.pod.name, prompt)
         return await self._relay(answer)
 
     async def relay_raw(self, endpoint: str, raw: bytes, request_id: str) -> Answer:
         """Plain proxying (one `both` pool, nothing to choose by prompt): the body as sent."""
-        answer = await send_hop(self.client, self.pods, self.metrics, "decode", "decode",
+        answer = await send_hop(self.pod_client, self.pods, self.metrics, "decode", "decode",
                                 self._chooser("decode", Prompt(None, None), None), endpoint, raw,
-                                _headers(request_id))
+                                _headers(request_id), self._decode_timeout)
         return await self._relay(answer)
 
     def can_relay_raw(self, raw: bytes) -> bool:
@@ -269,7 +301,7 @@ class Router:
         try:
             if answer.first_chunk:
                 yield answer.first_chunk
-            async for chunk in answer.response.content.iter_any():
+            async for chunk in answer.response.iter_chunks():
                 yield chunk
         except TRANSPORT_ERRORS as exc:
             self.metrics.stream_errors.inc()
@@ -281,13 +313,72 @@ class Router:
             release(answer)
 
     def _remember(self, pod: str, prompt: Prompt) -> None:
-        """The pod that computed this prompt now caches its full blocks."""
-        if prompt.block_hashes:
-            self.index.stored(pod, prompt.block_hashes)
+        """The pod that computed this request's prompts now caches their full blocks."""
+        for hashes in prompt.batch_hashes:
+            if hashes:
+                self.index.stored(pod, hashes)
 
 
-def _tokenize_query(endpoint: str, body: dict[str, Any]) -> dict[str, Any] | list[int] | None:
-    """The /tokenize body for the request's prompt, its token ids when given, or None."""
+def _given_token_ids(endpoint: str, body: dict[str, Any]) -> list[list[int]] | None:
+    """The prompts of a /v1/completions request given as token ids, one list per prompt: a
+    list of ids is one prompt, a list of such lists a batch. None for anything else (text,
+    chat, a malformed prompt: the engine answers those)."""
+    if endpoint.endswith("/chat/completions"):
+        return None
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    if _is_token_ids(prompt):
+        return [prompt]
+    if all(isinstance(p, list) and p and _is_token_ids(p) for p in prompt):
+        return prompt
+    return None
+
+
+def _is_token_ids(values: list[Any]) -> bool:
+    return all(type(t) is int for t in values)  # not bool, which JSON's true/false become
+
+
+def _batch_block_hashes(batch: list[list[int]], block_size: int) -> list[list[bytes]] | None:
+    """Each prompt's block hashes; None when an id does not fit the engine's int64 (the
+    engine refuses the request, so there is nothing to route by)."""
+    try:
+        return [prompt_block_hashes(token_ids, block_size) for token_ids in batch]
+    except OverflowError:
+        return None
+
+
+def _local_token_ids(tokenizer: Tokenizer, endpoint: str, body: dict[str, Any]
+                     ) -> list[int] | None:
+    """A /v1/completions text prompt's ids exactly as the engine encodes it; None for chat
+    (its template and options are the engine's) and for anything but one text."""
+    if endpoint.endswith("/chat/completions"):
+        return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    add_special_tokens = body.get("add_special_tokens", True)
+    if not isinstance(prompt, str) or not isinstance(add_special_tokens, bool):
+        return None
+    return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+
+def load_tokenizer(source: str) -> Tokenizer:
+    """The tokenizer of a checkpoint directory (or `demo`), as the engine loads it;
+    ValueError says why it cannot be loaded."""
+    from kvferry.engine.models.source import resolve_model_source
+    from kvferry.engine.tokenizer import Tokenizer
+
+    try:
+        return Tokenizer.from_pretrained(resolve_model_source(source))
+    except ValueError:
+        raise
+    except Exception as exc:  # the tokenizers library raises plain Exceptions
+        raise ValueError(f"cannot load a tokenizer from {source}: {exc}") from None
+
+
+def _tokenize_query(endpoint: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    """The /tokenize body for the request's one text prompt or chat messages, or None."""
     model = body.get("model")
     if endpoint.endswith("/chat/completions"):
         messages = body.get("messages")
@@ -297,8 +388,6 @@ def _tokenize_query(endpoint: str, body: dict[str, Any]) -> dict[str, Any] | lis
         prompt = prompt[0]
     if isinstance(prompt, str):
         return {"model": model, "prompt": prompt}
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        return list(prompt)
     return None
 
 

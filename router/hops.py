@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
-
 from kvferry.router.config import HopTimeouts
 from kvferry.router.metrics import RouterMetrics
+from kvferry.router.pod_client import HopTimeout, PodClient, PodResponse
 from kvferry.router.pods import Pod, PodDirectory
 from kvferry.router.policies import Choice
 
@@ -37,7 +37,7 @@ class HopResponse:
     """An answer whose headers are in; `response` may still be streaming its body."""
 
     pod: Pod
-    response: aiohttp.ClientResponse
+    response: PodResponse
     choice: Choice
     # A stream's first bytes, read before committing to the pod (b"" for a whole answer).
     first_chunk: bytes = b""
@@ -48,8 +48,8 @@ TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 
 
 def make_client(timeouts: HopTimeouts) -> aiohttp.ClientSession:
-    """One pooled client for every pod: keep-alive connections, no global request limit.
-    (aiohttp: at hundreds of concurrent streams it costs a fraction of httpx's CPU.)"""
+    """One pooled client for the pods' other endpoints (/tokenize, /v1/models, ...): keep-alive
+    connections, no global request limit. The hops themselves go through `PodClient`."""
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, ttl_dns_cache=None)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s,
                                     sock_read=timeouts.decode_read_s)
@@ -60,10 +60,9 @@ def make_client(timeouts: HopTimeouts) -> aiohttp.ClientSession:
 Chooser = Callable[[list[Pod]], Choice]
 
 
-async def send_hop(client: aiohttp.ClientSession, pods: PodDirectory, metrics: RouterMetrics,
+async def send_hop(client: PodClient, pods: PodDirectory, metrics: RouterMetrics,
                    hop: str, pool: str, choose: Chooser, path: str, body: bytes,
-                   headers: dict[str, str], timeout: aiohttp.ClientTimeout | None = None
-                   ) -> HopResponse:
+                   headers: dict[str, str], timeout: HopTimeout) -> HopResponse:
     """Sends `body` to a pod of `pool` chosen by `choose`; retries once on another pod."""
     tried: list[str] = []
     last_error = f"no live pod in the {pool} pool"
@@ -86,18 +85,14 @@ async def send_hop(client: aiohttp.ClientSession, pods: PodDirectory, metrics: R
     raise HopError(f"the {pool} pool could not serve this request: {last_error}")
 
 
-async def _try_pod(client: aiohttp.ClientSession, pods: PodDirectory, metrics: RouterMetrics,
+async def _try_pod(client: PodClient, pods: PodDirectory, metrics: RouterMetrics,
                    hop: str, choice: Choice, path: str, body: bytes, headers: dict[str, str],
-                   timeout: aiohttp.ClientTimeout | None) -> tuple[HopResponse | None, str]:
+                   timeout: HopTimeout) -> tuple[HopResponse | None, str]:
     pod = choice.pod
     started = time.perf_counter()
     pod.num_routed += 1
     try:
-        if timeout is None:
-            response = await client.post(pod.url + path, data=body, headers=headers)
-        else:
-            response = await client.post(pod.url + path, data=body, headers=headers,
-                                         timeout=timeout)
+        response = await client.post(pod.url, path, body, headers, timeout)
     except TRANSPORT_ERRORS as exc:
         pod.num_routed -= 1
         pods.mark_failed(pod)
@@ -118,7 +113,7 @@ async def _try_pod(client: aiohttp.ClientSession, pods: PodDirectory, metrics: R
     try:
         first_chunk = await _first_chunk(response)
     except TRANSPORT_ERRORS as exc:
-        response.close()
+        response.release()
         pod.num_routed -= 1
         pods.mark_failed(pod)
         metrics.hop_requests.labels(hop, "unreachable").inc()
@@ -128,7 +123,7 @@ async def _try_pod(client: aiohttp.ClientSession, pods: PodDirectory, metrics: R
     return HopResponse(pod, response, choice, first_chunk), ""
 
 
-async def _first_chunk(response: aiohttp.ClientResponse) -> bytes:
+async def _first_chunk(response: PodResponse) -> bytes:
     """A stream's first bytes; b"" for a whole answer.
 
     An engine sends a stream's headers as soon as it takes the request, then nothing until
@@ -137,7 +132,7 @@ async def _first_chunk(response: aiohttp.ClientResponse) -> bytes:
     """
     if not response.headers.get("content-type", "").startswith("text/event-stream"):
         return b""
-    return await response.content.readany()
+    return await response.read_chunk()
 
 
 def release(answer: HopResponse) -> None:

@@ -6,10 +6,9 @@ import asyncio
 import contextlib
 import logging
 
-from redis.exceptions import RedisError
-
 from kvferry.engine.server.registry import kv_events_key
 from kvferry.router.prefix_index import PrefixIndex
+from redis.exceptions import RedisError
 
 logger = logging.getLogger("kvferry.router.kv_events")
 
@@ -24,7 +23,12 @@ def split_hashes(joined: bytes) -> list[bytes]:
 
 class KVEventReader:
     """Follows the service's KV event stream from its start (so a restarted router relearns
-    what the pods hold) and applies each batch: evicted first, then stored."""
+    what the pods hold) and applies each batch: evicted first, then stored.
+
+    A pod whose entries name a new engine instance was restarted under the same name (its
+    registry key may never have expired): everything its previous process held is dropped
+    from the index before the new instance's entries apply, whether the router sees this
+    live or replays the stream later."""
 
     def __init__(self, redis_url: str, service: str, index: PrefixIndex) -> None:
         import redis.asyncio as aioredis
@@ -35,12 +39,25 @@ class KVEventReader:
         self._last_id = "0"
         self._task: asyncio.Task[None] | None = None
         self.num_events = 0
+        # pod -> the engine instance its latest entry came from.
+        self._instances: dict[str, bytes] = {}
 
     def apply(self, fields: dict[bytes, bytes]) -> None:
         pod = fields[b"pod"].decode()
+        instance = fields.get(b"instance")
+        if instance is not None:  # engines from before instance ids send none
+            self._follow_instance(pod, instance)
         self._index.evicted(pod, split_hashes(fields.get(b"evicted", b"")))
         self._index.stored(pod, split_hashes(fields.get(b"stored", b"")))
         self.num_events += 1
+
+    def _follow_instance(self, pod: str, instance: bytes) -> None:
+        previous = self._instances.get(pod)
+        self._instances[pod] = instance
+        if previous is not None and previous != instance:
+            logger.info("pod %s restarted (engine instance %s): its prefix cache is empty",
+                        pod, instance.decode(errors="replace"))
+            self._index.forget_pod(pod)
 
     async def read_once(self) -> None:
         answer = await self._redis.xread({self._key: self._last_id}, count=1000, block=BLOCK_MS)

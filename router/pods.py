@@ -14,9 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from redis.exceptions import RedisError
-
 from kvferry.engine.server.registry import PodRecord, pod_key_prefix
+from redis.exceptions import RedisError
 
 logger = logging.getLogger("kvferry.router.pods")
 
@@ -58,6 +57,8 @@ class PodDirectory:
         self._prefix = pod_key_prefix(service)
         self._poll_s = poll_s
         self._pods: dict[str, Pod] = {}
+        # pool -> its pods, rebuilt at each registry read (requests read it, never build it).
+        self._by_pool: dict[str, list[Pod]] = {}
         self._failed_until: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
         self.is_connected = False
@@ -68,8 +69,11 @@ class PodDirectory:
 
     # ------------------------------------------------------------------ reading
     def pool(self, name: str) -> list[Pod]:
-        """Live pods of a pool, those that failed lately last."""
-        pods = [p for p in self._pods.values() if p.pool == name]
+        """Live pods of a pool, without those that failed lately unless no other is left.
+        The list may be shared: callers must not change it."""
+        pods = self._by_pool.get(name, [])
+        if not self._failed_until:  # the usual case, on every request: no filtering
+            return pods
         now = time.monotonic()
         healthy = [p for p in pods if self._failed_until.get(p.name, 0.0) <= now]
         return healthy or pods
@@ -119,6 +123,12 @@ class PodDirectory:
                 self.seen_pools.add(self._pods[name].pool)
             else:
                 pod.record = record
+        by_pool: dict[str, list[Pod]] = {}
+        for pod in self._pods.values():
+            by_pool.setdefault(pod.pool, []).append(pod)
+        self._by_pool = by_pool
+        now = time.monotonic()
+        self._failed_until = {n: t for n, t in self._failed_until.items() if t > now}
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._poll_forever())

@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 from dataclasses import asdict, dataclass
 
 from redis.exceptions import RedisError
@@ -38,8 +39,10 @@ def pod_key_prefix(service: str) -> str:
 
 
 def kv_events_key(service: str) -> str:
-    """The Redis stream of the service's KV events: entries {pod, evicted, stored}, each hash
-    list being the 32-byte hashes concatenated."""
+    """The Redis stream of the service's KV events: entries {pod, instance, evicted, stored},
+    each hash list being the 32-byte hashes concatenated. `instance` names the engine process
+    that published the entry; each process's first entry holds no hashes and says that this
+    pod's prefix cache starts empty (a pod restarted under the same name lost its blocks)."""
     return f"kvferry:{service}:kv_events"
 
 
@@ -102,8 +105,12 @@ class PodRegistrar:
         self.model = model
         self.block_size = block_size
         self.stats = SchedulerStats()
-        # (evicted, stored) hash batches not yet published, oldest first.
-        self._pending_events: list[tuple[list[bytes], list[bytes]]] = []
+        # This engine process, in its KV events: a reader that sees the pod's instance
+        # change drops what the previous process held.
+        self.instance_id = uuid.uuid4().hex
+        # (evicted, stored) hash batches not yet published, oldest first; the first, empty,
+        # announces this instance with a cache that holds nothing yet.
+        self._pending_events: list[tuple[list[bytes], list[bytes]]] = [([], [])]
         self._redis = aioredis.from_url(settings.redis_url)
         self._task: asyncio.Task[None] | None = None
         self.key = pod_key_prefix(settings.service) + settings.pod
@@ -138,8 +145,8 @@ class PodRegistrar:
         key = kv_events_key(self.settings.service)
         async with self._redis.pipeline(transaction=False) as pipe:
             for evicted, stored in batches:
-                pipe.xadd(key, {"pod": self.settings.pod, "evicted": b"".join(evicted),
-                                "stored": b"".join(stored)},
+                pipe.xadd(key, {"pod": self.settings.pod, "instance": self.instance_id,
+                                "evicted": b"".join(evicted), "stored": b"".join(stored)},
                           maxlen=EVENT_STREAM_MAXLEN, approximate=True)
             await pipe.execute()
 

@@ -298,3 +298,18 @@ def test_stuck_pods_cannot_hang_a_client(pd: dict[str, Proc], tmp_path: Path,
     # One try and one retry, each cut off after half a second.
     assert response.status_code == 502 and elapsed < 5, (response.status_code, elapsed)
     assert "TimeoutError" in response.json()["error"]["message"]
+
+
+def test_the_router_keeps_its_connections_to_the_pods_alive(pd: dict[str, Proc]) -> None:
+    def connections(pod: Proc) -> int:
+        return httpx.get(f"http://127.0.0.1:{pod.port}/fake/connections").json()  # type: ignore[attr-defined]
+
+    before = {name: connections(pd[name]) for name in ("decode-0", "decode-1")}
+    for stream in (False, True) * 4:
+        out = client(pd["router"]).completions.create(model="fake", prompt="kept", stream=stream)
+        if stream:
+            assert "".join(c.choices[0].text for c in out) == " a b c"  # type: ignore[union-attr]
+    # Round robin: four requests each, on one connection each (a connection idle from an
+    # earlier test may have been replaced once).
+    opened = {name: connections(pd[name]) - before[name] for name in before}
+    assert all(n in (0, 1) for n in opened.values()), opened

@@ -1,0 +1,249 @@
+"""The router's HTTP client for hops, against a fake engine pod (uvicorn, a real process)
+and small raw servers that misbehave on purpose."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, Iterator
+
+import httpx
+import pytest
+from procs import Proc, fake_engine, free_port
+
+from kvferry.router.pod_client import HopTimeout, PodClient
+
+STREAM_BODY = json.dumps({"model": "fake", "prompt": "p", "stream": True}).encode()
+WHOLE_BODY = json.dumps({"model": "fake", "prompt": "p"}).encode()
+HEADERS = {"content-type": "application/json", "x-request-id": "req-1"}
+TIMEOUT = HopTimeout(connect_s=2.0, read_s=10.0)
+
+
+@pytest.fixture(scope="module")
+def pod(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Proc]:
+    proc = fake_engine(tmp_path_factory.mktemp("client"), redis_url, "client", "both", "pod")
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def base(pod: Proc) -> str:
+    return f"http://127.0.0.1:{pod.port}"  # type: ignore[attr-defined]
+
+
+def connections(pod: Proc) -> int:
+    return httpx.get(base(pod) + "/fake/connections").json()
+
+
+def set_behaviour(pod: Proc, behaviour: str) -> None:
+    httpx.post(base(pod) + "/fake/behaviour", json={"behaviour": behaviour}).raise_for_status()
+
+
+def run(body: Callable[[PodClient], Awaitable[object]]) -> object:
+    async def main() -> object:
+        client = PodClient()
+        try:
+            return await body(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
+
+
+def test_streams_come_chunk_by_chunk_over_one_kept_alive_connection(pod: Proc) -> None:
+    before = connections(pod)
+
+    async def body(client: PodClient) -> list[bytes]:
+        texts = []
+        for _ in range(5):
+            response = await client.post(base(pod), "/v1/completions", STREAM_BODY, HEADERS,
+                                         TIMEOUT)
+            assert (response.status, response.headers["content-type"]) == (
+                200, "text/event-stream")
+            texts.append(b"".join([c async for c in response.iter_chunks()]))
+            response.release()
+        return texts
+
+    texts = run(body)
+    events = [line for line in texts[0].split(b"\n\n") if line]  # type: ignore[index]
+    assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]] == [" a", " b", " c"]
+    assert events[-1] == b"data: [DONE]"
+    assert len(set(texts)) == 1  # type: ignore[arg-type]
+    assert connections(pod) == before + 1
+
+
+def test_a_whole_answer_is_read_by_its_length(pod: Proc) -> None:
+    async def body(client: PodClient) -> dict:
+        response = await client.post(base(pod), "/v1/completions", WHOLE_BODY, HEADERS, TIMEOUT)
+        try:
+            return json.loads(await response.read())
+        finally:
+            response.release()
+
+    assert run(body)["choices"][0]["text"] == " a b c"  # type: ignore[index]
+
+
+def test_a_released_unfinished_answer_closes_its_connection() -> None:
+    """What tells an engine that its client left: the router closing the pod's connection."""
+
+    async def body(client: PodClient) -> tuple[bytes, bytes]:
+        closed = asyncio.get_running_loop().create_future()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(len(STREAM_BODY))
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"7\r\ndata: a\r\n")
+            await writer.drain()
+            closed.set_result(await reader.read())  # b"" once the client closes
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            response = await client.post(f"http://127.0.0.1:{port}", "/v1/completions",
+                                         STREAM_BODY, HEADERS, TIMEOUT)
+            first = await anext(aiter(response.iter_chunks()))
+            response.release()
+            return first, await asyncio.wait_for(closed, 10)
+        finally:
+            server.close()
+
+    assert run(body) == (b"data: a", b"")
+
+
+def test_a_stream_cut_by_the_pod_raises_and_the_next_request_reconnects(pod: Proc) -> None:
+    async def body(client: PodClient) -> tuple[list[bytes], BaseException | None, int]:
+        response = await client.post(base(pod), "/v1/completions", STREAM_BODY, HEADERS,
+                                     TIMEOUT)
+        got: list[bytes] = []
+        error = None
+        try:
+            async for chunk in response.iter_chunks():
+                got.append(chunk)
+        except ConnectionError as exc:
+            error = exc
+        response.release()
+        set_behaviour(pod, "ok")
+        again = await client.post(base(pod), "/v1/completions", WHOLE_BODY, HEADERS, TIMEOUT)
+        await again.read()
+        again.release()
+        return got, error, again.status
+
+    set_behaviour(pod, "cut")
+    try:
+        got, error, status = run(body)  # type: ignore[misc]
+    finally:
+        set_behaviour(pod, "ok")
+    assert b"".join(got).startswith(b"data: ") and b"[DONE]" not in b"".join(got)
+    assert isinstance(error, ConnectionError)
+    assert status == 200
+
+
+@pytest.mark.parametrize("timeout", [HopTimeout(connect_s=2.0, read_s=0.3),
+                                     HopTimeout(connect_s=2.0, total_s=0.3)])
+def test_a_pod_that_never_answers_times_out(pod: Proc, timeout: HopTimeout) -> None:
+    async def body(client: PodClient) -> None:
+        await client.post(base(pod), "/v1/completions", WHOLE_BODY, HEADERS, timeout)
+
+    set_behaviour(pod, "hang")
+    try:
+        with pytest.raises(TimeoutError):
+            run(body)
+    finally:
+        set_behaviour(pod, "ok")
+
+
+def test_a_refused_connection_is_a_connection_error() -> None:
+    async def body(client: PodClient) -> None:
+        await client.post(f"http://127.0.0.1:{free_port()}", "/v1/completions", WHOLE_BODY,
+                          HEADERS, TIMEOUT)
+
+    with pytest.raises(ConnectionError):
+        run(body)
+
+
+def raw_server(answer: bytes, close_after: bool) -> Callable[[PodClient], Awaitable[object]]:
+    """A body for `run`: a TCP server on a loopback port that reads one request per
+    connection and writes `answer`, closing the connection after it if `close_after`; the
+    client sends two requests. Returns the statuses and bodies, and how many connections
+    the server accepted."""
+
+    async def body(client: PodClient) -> object:
+        accepted = 0
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal accepted
+            accepted += 1
+            while await reader.readuntil(b"\r\n\r\n"):
+                await reader.readexactly(len(WHOLE_BODY))
+                writer.write(answer)
+                await writer.drain()
+                if close_after:
+                    break
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        results = []
+        try:
+            for _ in range(2):
+                response = await client.post(f"http://127.0.0.1:{port}", "/v1/completions",
+                                             WHOLE_BODY, HEADERS, TIMEOUT)
+                results.append((response.status, await response.read()))
+                response.release()
+                await asyncio.sleep(0.1)  # the server's close reaches the client
+        finally:
+            server.close()
+        return results, accepted
+
+    return body
+
+
+def test_a_connection_the_pod_closed_while_idle_is_not_reused() -> None:
+    answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    results, accepted = run(raw_server(answer, close_after=True))  # type: ignore[misc]
+    assert results == [(200, b"ok"), (200, b"ok")]
+    assert accepted == 2
+
+
+def test_bad_http_from_a_pod_is_a_connection_error() -> None:
+    with pytest.raises(ConnectionError, match="bad HTTP"):
+        run(raw_server(b"NOT HTTP AT ALL\r\n\r\n", close_after=False))
+
+
+def test_a_request_the_pod_dropped_unread_on_a_kept_connection_goes_again() -> None:
+    """A pod closing a kept-alive connection just as the next request arrives (its idle
+    timeout) never read that request: it is sent again on a new connection."""
+    answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+
+    async def body(client: PodClient) -> tuple[list[tuple[int, bytes]], int]:
+        accepted = 0
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal accepted
+            accepted += 1
+            for index in range(2):
+                await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(len(WHOLE_BODY))
+                if accepted == 1 and index == 1:
+                    break  # the second request on the first connection: dropped unanswered
+                writer.write(answer)
+                await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        results = []
+        try:
+            for _ in range(2):
+                response = await client.post(f"http://127.0.0.1:{port}", "/v1/completions",
+                                             WHOLE_BODY, HEADERS, TIMEOUT)
+                results.append((response.status, await response.read()))
+                response.release()
+        finally:
+            server.close()
+        return results, accepted
+
+    assert run(body) == ([(200, b"ok"), (200, b"ok")], 2)
