@@ -27,7 +27,9 @@ p99 ITL disaggregated / p99 ITL colocated at the highest rate (target <= 0.5). H
 decode gap holds a prefill is about (requests decoding on the pod when a prompt arrives) /
 (tokens per output), so p99 sees the stalls only once a pod decodes more than about one
 request at a time: at 1 req/s on the demo model (a 96-token answer takes about a second)
-it usually does not, and the ratio there says little. Hence a sweep of rates. The TTFT
+it usually does not, and the ratio there says little. Hence a sweep of rates, and the
+share of gaps longer than `--long-gap-ms` (100 ms, about the shortest prefill of these
+prompts here), which counts the stalls whatever the percentile. The TTFT
 columns show the other side of the trade: one prefill pod has half the prefill capacity of
 two colocated pods.
 
@@ -235,12 +237,16 @@ class LoadRun:
         machine = cpu.pop("machine")
         return cpu | {"other processes": round(machine - sum(cpu.values()), 2)}
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, long_gap_ms: float) -> dict[str, Any]:
         done = self.done
         num_tokens = sum(r.num_output_tokens for r in done)
+        itl = self.itl_s()
         return {
             "ttft_ms": percentiles_ms(self.ttft_s()),
-            "itl_ms": percentiles_ms(self.itl_s()),
+            "itl_ms": percentiles_ms(itl),
+            # Gaps as long as a prefill of this workload's prompts: the stalls themselves.
+            "itl_long_gap_percent": round(100.0 * sum(g * 1000.0 > long_gap_ms for g in itl)
+                                          / max(1, len(itl)), 2),
             "e2e_ms": percentiles_ms([r.e2e_s for r in done]),
             "num_failed": len(self.results) - len(done),
             "output_tokens_per_s": round(num_tokens / self.duration_s, 2),
@@ -324,16 +330,17 @@ def service_manifest(name: str, pools: dict[str, Any], max_model_len: int) -> di
 # ---- report --------------------------------------------------------------------------------
 
 
-def print_rate(rate: float, runs: dict[str, LoadRun]) -> None:
+def print_rate(rate: float, runs: dict[str, LoadRun], long_gap_ms: float) -> None:
     """One rate's figures, the services side by side, and where their time and CPU went."""
-    summaries = {name: run.summary() for name, run in runs.items()}
+    summaries = {name: run.summary(long_gap_ms) for name, run in runs.items()}
     print(f"\n--- {rate:g} req/s, {len(next(iter(runs.values())).results)} requests")
     print(f"{'':<22}" + "".join(f"{name:>16}" for name in runs))
     for label, key, p in (("TTFT p50 (ms)", "ttft_ms", "p50"), ("TTFT p99 (ms)", "ttft_ms", "p99"),
                           ("ITL p50 (ms)", "itl_ms", "p50"), ("ITL p99 (ms)", "itl_ms", "p99"),
                           ("e2e p50 (ms)", "e2e_ms", "p50")):
         print(f"{label:<22}" + "".join(f"{s[key][p]:>16.1f}" for s in summaries.values()))
-    for label, key in (("output tokens/s", "output_tokens_per_s"), ("failed", "num_failed"),
+    for label, key in ((f"ITL gaps > {long_gap_ms:g} ms (%)", "itl_long_gap_percent"),
+                       ("output tokens/s", "output_tokens_per_s"), ("failed", "num_failed"),
                        ("events per token", "events_per_token"),
                        ("prefill hops", "prefill_hops"),
                        ("KV pull fallbacks", "kv_transfer_fallbacks")):
@@ -394,7 +401,7 @@ def p99_itl_ratio(runs: dict[str, LoadRun]) -> float:
 def report(by_rate: dict[float, dict[str, LoadRun]], args: argparse.Namespace) -> dict[str, Any]:
     """The JSON figures: the headline at the highest rate, and every rate's in full."""
     rate = max(by_rate)
-    headline = {name: run.summary() for name, run in by_rate[rate].items()}
+    headline = {name: run.summary(args.long_gap_ms) for name, run in by_rate[rate].items()}
     return {
         "ratio": round(p99_itl_ratio(by_rate[rate]), 4),
         "target": TARGET_RATIO,
@@ -403,13 +410,15 @@ def report(by_rate: dict[float, dict[str, LoadRun]], args: argparse.Namespace) -
         "itl_p99_ms": {n: s["itl_ms"]["p99"] for n, s in headline.items()},
         "ttft_p50_ms": {n: s["ttft_ms"]["p50"] for n, s in headline.items()},
         "ttft_p99_ms": {n: s["ttft_ms"]["p99"] for n, s in headline.items()},
+        "itl_long_gap_percent": {n: s["itl_long_gap_percent"] for n, s in headline.items()},
         "ratio_by_rate": {f"{r:g}": round(p99_itl_ratio(runs), 4)
                           for r, runs in by_rate.items()},
         "num_requests": args.num_requests, "input_len": args.input_len,
         "output_len": args.output_len, "threads": args.threads,
+        "long_gap_ms": args.long_gap_ms,
         "num_failed": sum(len(run.results) - len(run.done)
                           for runs in by_rate.values() for run in runs.values()),
-        "by_rate": {f"{r:g}": {n: run.summary() for n, run in runs.items()}
+        "by_rate": {f"{r:g}": {n: run.summary(args.long_gap_ms) for n, run in runs.items()}
                     for r, runs in by_rate.items()},
     }
 
@@ -427,6 +436,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-len", default="64,128", help="MIN,MAX output tokens")
     parser.add_argument("--threads", type=int, default=1,
                         help="OMP_NUM_THREADS of every process kvferry up starts")
+    parser.add_argument("--long-gap-ms", type=float, default=100.0,
+                        help="an ITL gap longer than this counts as a stall (about the "
+                             "shortest prefill of the workload on the demo model)")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--num-warmup", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
@@ -478,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         services = start_services(args, warmup, Path(tmp), env, stack)
         by_rate = run_rates(services, workloads, args.seed)
     for rate, runs in by_rate.items():
-        print_rate(rate, runs)
+        print_rate(rate, runs, args.long_gap_ms)
     plot(by_rate, args.plot)
     figures = report(by_rate, args)
     print(f"\nwrote {args.plot}")
