@@ -40,8 +40,6 @@ from typing import Any
 # way (spinning workers are much slower on a busy machine, and would skew the ratio).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import numpy as np  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import ModelShape, build_checkpoint  # noqa: E402
 from serving_load import (  # noqa: E402
@@ -53,27 +51,16 @@ from serving_load import (  # noqa: E402
     run_load,
     summarize,
     summary_of,
+    synthetic_workload,
 )
 
 TARGET_RATIO = 0.9
 # --quick: a generated model smaller than demo.
 QUICK_SHAPE = ModelShape(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
                          intermediate_size=256, vocab_size=1024, max_position_embeddings=1024)
-FIRST_NORMAL_TOKEN = 4  # ids below are specials in the generated tokenizers
 
 
 # ---- workload ------------------------------------------------------------------------------
-
-
-def synthetic_workload(num_requests: int, vocab_size: int, input_range: tuple[int, int],
-                       output_range: tuple[int, int], seed: int) -> list[Request]:
-    rng = np.random.default_rng(seed)
-    requests = []
-    for _ in range(num_requests):
-        num_prompt = int(rng.integers(input_range[0], input_range[1] + 1))
-        prompt = rng.integers(FIRST_NORMAL_TOKEN, vocab_size, size=num_prompt).tolist()
-        requests.append(Request(prompt, int(rng.integers(output_range[0], output_range[1] + 1))))
-    return requests
 
 
 def sharegpt_workload(path: Path, num_requests: int, tokenizer: Any, max_model_len: int,

@@ -1,12 +1,13 @@
-"""The load generator of benchmarks/serving.py: a lean streaming HTTP client, Poisson or
-fixed-concurrency arrivals, per-request latencies, their percentiles, and the latency plot."""
+"""The load generator of benchmarks/serving.py (and benchmarks/disagg.py): synthetic
+prompts, a lean streaming HTTP client, Poisson or fixed-concurrency arrivals, per-request
+latencies, their percentiles, and the latency plot."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+FIRST_NORMAL_TOKEN = 4  # ids below are specials in the generated and demo tokenizers
 
 @dataclass(frozen=True)
 class Request:
@@ -47,6 +49,18 @@ class RunSummary:
     ttft_ms: dict[str, float]
     inter_token_ms: dict[str, float]
     e2e_ms: dict[str, float]
+
+
+def synthetic_workload(num_requests: int, vocab_size: int, input_range: tuple[int, int],
+                       output_range: tuple[int, int], seed: int) -> list[Request]:
+    """Random prompt token ids; prompt and output lengths uniform in the inclusive ranges."""
+    rng = np.random.default_rng(seed)
+    requests = []
+    for _ in range(num_requests):
+        num_prompt = int(rng.integers(input_range[0], input_range[1] + 1))
+        prompt = rng.integers(FIRST_NORMAL_TOKEN, vocab_size, size=num_prompt).tolist()
+        requests.append(Request(prompt, int(rng.integers(output_range[0], output_range[1] + 1))))
+    return requests
 
 
 # ---- the load generator --------------------------------------------------------------------
@@ -122,16 +136,24 @@ async def send_request(client: StreamClient, request: Request) -> RequestResult:
                          inter_token_s=list(np.diff(token_times)))
 
 
+Send = Callable[[Request], Awaitable[RequestResult]]
+
+
 async def run_load(url: str, workload: list[Request], rate: float, max_concurrency: int | None,
-                   seed: int) -> tuple[list[RequestResult], float]:
-    """Sends the workload with Poisson arrivals at `rate` (inf: all at once)."""
+                   seed: int, send: Send | None = None) -> tuple[list[RequestResult], float]:
+    """Sends the workload with Poisson arrivals at `rate` (inf: all at once), each request
+    by `send` (default: the lean client's `send_request` to `url`)."""
     rng = np.random.default_rng(seed)
     limit = asyncio.Semaphore(max_concurrency or len(workload))
-    client = StreamClient(url)
+    if send is None:
+        client = StreamClient(url)
+
+        async def send(request: Request) -> RequestResult:
+            return await send_request(client, request)
 
     async def limited(request: Request) -> RequestResult:
         async with limit:
-            return await send_request(client, request)
+            return await send(request)
 
     tasks = []
     start = time.perf_counter()
