@@ -1,7 +1,9 @@
 """Child processes of `kvferry up`: started, their log lines prefixed, restarted when they die.
 
 Each child runs in its own process group so that Ctrl-C in the terminal reaches only
-`kvferry up`, which then stops the children in order (router first, pods, Redis last).
+`kvferry up`, which then stops the children in order (router first, pods, Redis last). When
+a child's process exits, the rest of its group goes with it, as a container's processes do
+when it ends: a pod's engine core does not outlive its server, and the pod restarts at once.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ from dataclasses import dataclass, field
 
 # A child that dies is started again after this long, as a kubelet would (without backoff).
 RESTART_DELAY_S = 1.0
+# How often a child's process is checked for its exit.
+EXIT_POLL_S = 0.1
+# How long the log lines still in the pipe are relayed after a child's group was killed.
+DRAIN_S = 2.0
 
 
 @dataclass
@@ -51,16 +57,26 @@ class Child:
             await asyncio.sleep(RESTART_DELAY_S)
 
     async def _run_once(self) -> int:
-        self.process = await asyncio.create_subprocess_exec(
+        process = self.process = await asyncio.create_subprocess_exec(
             *self.spec.args, env={**os.environ, **self.spec.env}, stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             start_new_session=True)
-        assert self.process.stdout is not None
+        relay = asyncio.create_task(self._relay_lines(process))
+        # Not process.wait(): it also waits until every holder of the output pipe (the
+        # child's own children) has exited.
+        while process.returncode is None:
+            await asyncio.sleep(EXIT_POLL_S)
+        _kill_group(process.pid)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(relay, DRAIN_S)
+        return process.returncode
+
+    async def _relay_lines(self, process: asyncio.subprocess.Process) -> None:
+        assert process.stdout is not None
         prefix = f"[{self.spec.name}] ".encode()
-        async for line in self.process.stdout:
+        async for line in process.stdout:
             sys.stdout.buffer.write(prefix + line)
             sys.stdout.flush()
-        return await self.process.wait()
 
     async def stop(self, timeout_s: float) -> None:
         """SIGTERM, then SIGKILL after `timeout_s`; waits for the exit."""
@@ -77,3 +93,9 @@ class Child:
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL to what is left of a process group (nothing, usually)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
