@@ -22,7 +22,7 @@ from kvferry.operator.render_pod import (
     pod_security_context,
     resources_manifest,
 )
-from kvferry.operator.render_pools import RUN_AS_USER, PodContext
+from kvferry.operator.render_pools import RUN_AS_USER, PodContext, model_arg, model_volumes
 from kvferry.operator.spec import InferenceServiceSpec
 
 API_KEY_DIR = "/etc/kvferry/api-key"
@@ -44,9 +44,21 @@ def router_args(spec: InferenceServiceSpec, redis_url: str) -> list[str]:
 
 
 def render_router_deployment(spec: InferenceServiceSpec, ctx: PodContext) -> dict[str, Any]:
-    """The router's Deployment; the API key Secret is mounted as a file when set."""
+    """The router's Deployment; the API key Secret is mounted as a file when set.
+
+    Weights on a claim (pvc) are mounted read-only here too, so the router loads the
+    engines' tokenizer from them and hashes text prompts without asking a pod; for demo, hub
+    and hostPath models (a hostPath would take the router out of the restricted Pod Security
+    level) it asks a pod's /tokenize.
+    """
     mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
     volumes: list[dict[str, Any]] = [empty_dir("tmp", TMP_SIZE_LIMIT)]
+    env = list(ctx.redis_env)
+    model_volumes_, model_mounts = model_volumes(spec)
+    if spec.model.source_scheme == "pvc":
+        volumes += model_volumes_
+        mounts += model_mounts
+        env.append({"name": "KVFERRY_ROUTER_TOKENIZER", "value": model_arg(spec)})
     if spec.router.api_key_secret is not None:
         volumes.append({"name": "api-key", "secret": {"secretName": spec.router.api_key_secret.name}})
         mounts.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
@@ -61,8 +73,8 @@ def render_router_deployment(spec: InferenceServiceSpec, ctx: PodContext) -> dic
         "securityContext": container_security_context(),
         **http_probes(ROUTER_STARTUP_SECONDS),
     }
-    if ctx.redis_env:
-        container["env"] = list(ctx.redis_env)
+    if env:
+        container["env"] = env
     resources = resources_manifest(spec.router.resources)
     if resources:
         container["resources"] = resources

@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S")
     parser.add_argument("--decode-timeout", type=float, default=120.0, metavar="S",
                         help="longest wait for the next chunk of a decode answer")
-    parser.add_argument("--tokenizer", default=os.environ.get("KVFERRY_ROUTER_TOKENIZER") or None,
+    parser.add_argument("--tokenizer", default=None,
                         metavar="DIR",
                         help="the engines' tokenizer (their checkpoint directory, or demo): "
                              "text prompts are tokenized here for prefix-aware routing "
@@ -62,7 +62,8 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Rou
         api_keys=frozenset(keys), policies=policies_from_env(environ),
         prefill_threshold_tokens=args.prefill_threshold, max_body_bytes=args.max_body_bytes,
         timeouts=HopTimeouts(args.connect_timeout, args.prefill_timeout, args.decode_timeout),
-        uvicorn_log_level=args.uvicorn_log_level, tokenizer=args.tokenizer,
+        uvicorn_log_level=args.uvicorn_log_level,
+        tokenizer=args.tokenizer or environ.get("KVFERRY_ROUTER_TOKENIZER") or None,
     )
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from kvferry.engine.cli import build_parser
 from kvferry.operator.render import render_children
+from kvferry.operator.render_pools import model_arg
 from kvferry.operator.spec import parse_spec
 from kvferry.router.cli import settings_from_args
 from kvferry.router.config import read_api_keys
@@ -54,6 +55,13 @@ def check_rendered(manifest: dict[str, Any], tmp_path: Path) -> None:
     assert (settings.host, settings.port) == ("0.0.0.0", 8000)
     for pool, policy in spec.router.routing.items():
         assert settings.policies[pool] == policy
+    # Weights on a claim are mounted in the router too: it tokenizes with their tokenizer.
+    if spec.model.source_scheme == "pvc":
+        assert settings.tokenizer == model_arg(spec)
+        assert settings.tokenizer.startswith(
+            next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "model"))
+    else:
+        assert settings.tokenizer is None
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
@@ -78,6 +86,16 @@ def test_redis_and_service_come_from_the_environment_too() -> None:
     assert settings_from_args(args, {"REDIS_URL": "redis://r:6379/0"}).redis_url == "redis://r:6379/0"
     with pytest.raises(ValueError, match="--redis"):
         settings_from_args(args, {})
+
+
+def test_the_tokenizer_comes_from_the_flag_or_the_environment() -> None:
+    env = {"REDIS_URL": "redis://r:6379/0", "KVFERRY_ROUTER_TOKENIZER": "/models/llama"}
+    parser = build_parser(["router"])
+    plain = parser.parse_args(["router", "--service", "s"])
+    assert settings_from_args(plain, env).tokenizer == "/models/llama"
+    assert settings_from_args(plain, {"REDIS_URL": "redis://r:6379/0"}).tokenizer is None
+    flagged = parser.parse_args(["router", "--service", "s", "--tokenizer", "demo"])
+    assert settings_from_args(flagged, env).tokenizer == "demo"
 
 
 def test_api_key_file_holds_one_or_several_keys(tmp_path: Path) -> None:
