@@ -16,7 +16,9 @@ one whole block) it measures, interleaved trial by trial:
   any single-copy CMA read can, and the chunked copy shows what the same stores cost;
 - cma: one `process_vm_readv` of the same bytes from the producer's address space, the
   kernel's single-copy path that UCX's CMA transport uses for a READ on one host: what
-  NIXL itself could reach here (the kernel pins each 4 KiB page before copying it);
+  one READ could reach here (the kernel pins each 4 KiB page before copying it). A pull of
+  16 MiB or more is split into `--read-threads` READs posted at once (the connector's
+  default, see nixl_backend.py), which is how it gets past this;
 - pull, cross-layer layout (kvferry's): blocks outermost, the cache registered as one
   region, one descriptor per run of consecutive block ids;
 - pull, per-layer layout: one region per layer, one descriptor per layer per run: what a
@@ -37,6 +39,7 @@ layer's default, see nixl_backend.py): in "peer" mode UCX rules out its shared-m
 transports, which cannot detect a failed peer, and `--ucx-error-mode peer` shows the cost.
 
     python benchmarks/kvtransfer.py [--sizes-mb 1 8 64 512] [--trials 5] [--ucx-error-mode none]
+                                    [--read-threads N]
 
 The last line is one JSON object; `ratio_64MB` is pull GB/s / copy GB/s at 64 MB.
 
@@ -290,7 +293,7 @@ def connector_pull(conn: Any, consumer: tuple[KVConnectorWorker, KVConnectorSche
 
 
 def measure_size(conn: Any, producer_pid: int, size_mb: int, trials: int, ucx_error_mode: str,
-                 rng: np.random.Generator, verbose: bool) -> dict[str, Any]:
+                 read_threads: int, rng: np.random.Generator, verbose: bool) -> dict[str, Any]:
     num_pulled = max(1, math.ceil(size_mb * MB / BLOCK_BYTES))
     # Block 0 is the null block on both sides.
     num_blocks = num_pulled + 1
@@ -302,7 +305,7 @@ def measure_size(conn: Any, producer_pid: int, size_mb: int, trials: int, ucx_er
     dst = cache[:num_blocks * BLOCK_BYTES]
     remote_ids = shuffled_runs(num_pulled, rng)
     local_ids = np.arange(1, num_blocks)
-    cross, layer, consumer = consumer_agents(side, dst, num_blocks, ucx_error_mode)
+    cross, layer, consumer = consumer_agents(side, dst, num_blocks, ucx_error_mode, read_threads)
     try:
         cross_reads = [GroupRead(cross.region, side.cross_region, BLOCK_BYTES,
                                  block_runs(local_ids, remote_ids))]
@@ -356,17 +359,20 @@ class ConsumerAgent:
     regions: list[Any] | None = None
 
 
-def consumer_agents(side: ProducerSide, dst: torch.Tensor, num_blocks: int, ucx_error_mode: str
-                    ) -> tuple[ConsumerAgent, ConsumerAgent,
+def consumer_agents(side: ProducerSide, dst: torch.Tensor, num_blocks: int, ucx_error_mode: str,
+                    read_threads: int) -> tuple[ConsumerAgent, ConsumerAgent,
                                tuple[KVConnectorWorker, KVConnectorScheduler]]:
-    cross_backend = NixlBackend(f"bench-consumer-cross-{num_blocks}", ucx_error_mode)
+    cross_backend = NixlBackend(f"bench-consumer-cross-{num_blocks}", ucx_error_mode,
+                                read_threads=read_threads)
     cross = ConsumerAgent(cross_backend, cross_backend.add_remote(side.cross_meta),
                           region=cross_backend.register(cross_layer_view(dst, num_blocks)))
-    layer_backend = NixlBackend(f"bench-consumer-layer-{num_blocks}", ucx_error_mode)
+    layer_backend = NixlBackend(f"bench-consumer-layer-{num_blocks}", ucx_error_mode,
+                                read_threads=read_threads)
     layer = ConsumerAgent(layer_backend, layer_backend.add_remote(side.layer_meta),
                           regions=[layer_backend.register(v)
                                    for v in per_layer_views(dst, num_blocks)])
-    config = KVTransferConfig(model_id="bench", ucx_error_handling_mode=ucx_error_mode)
+    config = KVTransferConfig(model_id="bench", ucx_error_handling_mode=ucx_error_mode,
+                              read_threads=read_threads)
     metrics = KVTransferMetrics()
     worker = KVConnectorWorker(config, metrics)
     endpoint = worker.register_kv_caches(cross_layer_view(dst, num_blocks))
@@ -425,6 +431,8 @@ def main() -> None:
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 8, 64, 512])
     parser.add_argument("--trials", type=int, default=7)
     parser.add_argument("--ucx-error-mode", choices=["none", "peer"], default="none")
+    parser.add_argument("--read-threads", type=int, default=KVTransferConfig().read_threads,
+                        help="READs a large pull is split into (default: the connector's)")
     parser.add_argument("--verbose", action="store_true", help="print every trial")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -436,12 +444,14 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"block {BLOCK_BYTES / MB:.0f} MiB ({NUM_LAYERS} layers x {NUM_KV_HEADS} KV heads x "
           f"{HEAD_SIZE} x block size {BLOCK_SIZE}, {str(DTYPE).removeprefix('torch.')}); "
-          f"ucx_error_handling_mode={args.ucx_error_mode}; median of {args.trials} trials")
+          f"ucx_error_handling_mode={args.ucx_error_mode}; {args.read_threads} read thread(s); "
+          f"median of {args.trials} trials")
     rows = []
     try:
         for size_mb in args.sizes_mb:
             rows.append(measure_size(conn, producer.pid, size_mb, args.trials,
-                                     args.ucx_error_mode, rng, args.verbose))
+                                     args.ucx_error_mode, args.read_threads, rng,
+                                     args.verbose))
             print_row(rows[-1])
     finally:
         conn.send(("exit",))
@@ -450,7 +460,7 @@ def main() -> None:
             producer.kill()
     figures: dict[str, Any] = {f"ratio_{r['size_mb']}MB": r["pull_ratio"] for r in rows}
     figures.update(target_ratio=TARGET_RATIO, ucx_error_handling_mode=args.ucx_error_mode,
-                   sizes=rows)
+                   read_threads=args.read_threads, sizes=rows)
     print(json.dumps(figures))
 
 

@@ -28,6 +28,10 @@ def add_kv_transfer_arguments(parser: argparse.ArgumentParser) -> None:
                             "(default $KVFERRY_KV_FAILURE_POLICY or recompute)")
     group.add_argument("--kv-pull-timeout", type=float, default=30.0, metavar="S",
                        help="seconds a started pull may take before it fails")
+    group.add_argument("--kv-read-threads", type=int, default=KVTransferConfig.read_threads,
+                       metavar="N",
+                       help="READs a large pull (16 MiB or more) is split into, posted at once "
+                            "from as many threads (1: one READ; default %(default)s)")
 
 
 def kv_transfer_config(
@@ -53,5 +57,6 @@ def kv_transfer_config(
         advertise_host=pod_ip if bind_all and pod_ip else None,
         lease_s=args.kv_lease_seconds or lease_s or 30.0,
         pull_timeout_s=args.kv_pull_timeout,
+        read_threads=args.kv_read_threads,
         failure_policy=args.kv_failure_policy or failure_policy or "recompute",  # type: ignore[arg-type]
     )

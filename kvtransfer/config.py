@@ -48,6 +48,11 @@ class KVTransferConfig:
     # otherwise); on a GPU host with spare cores a progress thread lets completions land
     # between polls.
     nixl_progress_thread: bool = False
+    # A pull of `read_split_min_bytes` or more is split into this many READs posted at once
+    # from as many threads: one READ is one kernel copy on a CPU host, about half of what
+    # two cores copy (see nixl_backend.py). 1 posts every pull as one READ.
+    read_threads: int = 2
+    read_split_min_bytes: int = 16 * 1024 * 1024
 
     def __post_init__(self) -> None:
         _require(
@@ -69,6 +74,10 @@ class KVTransferConfig:
             f"side_channel_timeout_s must be > 0, got {self.side_channel_timeout_s}",
         )
         _require(self.pull_timeout_s > 0, f"pull_timeout_s must be > 0, got {self.pull_timeout_s}")
+        _require(1 <= self.read_threads <= 16,
+                 f"read_threads must be in [1, 16], got {self.read_threads}")
+        _require(self.read_split_min_bytes >= 0,
+                 f"read_split_min_bytes must be >= 0, got {self.read_split_min_bytes}")
         _require(
             self.failure_policy in ("recompute", "fail"),
             f"failure_policy must be recompute or fail, got {self.failure_policy!r}",

@@ -15,13 +15,21 @@ peer detection: every pull has a deadline (`pull_timeout_s`), the side channel's
 out, and a dead producer still fails a read at once (CMA errors when the peer is gone; see
 the killed-producer tests). "peer" stays available in `KVTransferConfig` for networks where
 it matters.
+
+Split reads. One READ moves its bytes with one kernel copy (CMA, on one host), which runs at
+about half of what two cores copy: a large pull is therefore cut into `read_threads` READs
+of equal bytes, posted at once from as many threads on as many UCX workers (the agent runs
+with NIXL's reader/writer lock so that data-path calls may overlap). The producer's
+notification then goes once every part is done, as a message of its own. A 512 MB pull went
+from 0.53 to about 0.9 of a plain copy's bandwidth on a 2-core host (benchmarks/kvtransfer.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,18 +38,23 @@ from kvferry.kvtransfer.layout import RegionInfo, run_descriptors
 logger = logging.getLogger(__name__)
 
 
-def _nixl() -> tuple[Any, Any, tuple[type[Exception], ...]]:
-    """NIXL's agent classes and its exception types, imported only when a connector starts."""
+# Pulls smaller than this go as one READ: splitting them saves less than it costs.
+SPLIT_MIN_BYTES = 16 * 1024 * 1024
+
+
+def _nixl() -> tuple[Any, Any, Any, tuple[type[Exception], ...]]:
+    """NIXL's agent classes, its thread-sync modes and its exception types, imported only
+    when a connector starts."""
     try:
         from nixl_cu12 import _bindings
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
+        from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
     except ImportError as e:
         raise ImportError(
             "KV transfer needs NIXL: pip install 'kvferry[kvtransfer]' (nixl-cu12)"
         ) from e
     names = [n for n in dir(_bindings) if n.startswith("nixl") and n.endswith("Error")]
     errors = tuple(getattr(_bindings, n) for n in names)
-    return nixl_agent, nixl_agent_config, errors
+    return nixl_agent, nixl_agent_config, nixl_thread_sync_t, errors
 
 
 class NixlError(Exception):
@@ -61,26 +74,47 @@ class GroupRead:
 
 @dataclass
 class Transfer:
-    """A started read."""
+    """A started read: one NIXL transfer, or the parts of a split one."""
 
-    handle: Any
+    handles: list[Any]
     num_bytes: int
     num_descriptors: int
     started_at: float
+    # A split read's notification, sent once every part is done (b"": none, or already
+    # carried by the single READ).
+    remote_agent: str = ""
+    notif: bytes = b""
+    notified: bool = field(default=False)
 
 
 class NixlBackend:
     """One engine's NIXL agent."""
 
     def __init__(
-        self, agent_name: str, ucx_error_handling_mode: str = "none", progress_thread: bool = False
+        self,
+        agent_name: str,
+        ucx_error_handling_mode: str = "none",
+        progress_thread: bool = False,
+        read_threads: int = 1,
+        split_min_bytes: int = SPLIT_MIN_BYTES,
     ) -> None:
-        nixl_agent, nixl_agent_config, self._errors = _nixl()
+        if read_threads < 1:
+            raise ValueError(f"read_threads must be >= 1, got {read_threads}")
+        nixl_agent, nixl_agent_config, sync_modes, self._errors = _nixl()
         self.agent_name = agent_name
+        self.read_threads = read_threads
+        self.split_min_bytes = split_min_bytes
+        # Overlapping data-path calls need the agent's reader/writer lock; one thread, none.
+        sync = sync_modes.NIXL_THREAD_SYNC_RW if read_threads > 1 else None
         # No backend from the config: its UCX backend cannot take parameters there.
-        config = nixl_agent_config(backends=[], enable_prog_thread=progress_thread)
+        config = nixl_agent_config(backends=[], enable_prog_thread=progress_thread, sync_mode=sync)
         self._agent = nixl_agent(agent_name, config)
-        self._agent.create_backend("UCX", {"ucx_error_handling_mode": ucx_error_handling_mode})
+        # One UCX worker per posting thread: reads posted on one worker copy one after another.
+        self._agent.create_backend("UCX", {"ucx_error_handling_mode": ucx_error_handling_mode,
+                                           "num_workers": str(read_threads)})
+        # Threads that post a split read's other parts while the caller posts the first.
+        self._posters = (ThreadPoolExecutor(read_threads - 1, thread_name_prefix="kvferry-read")
+                         if read_threads > 1 else None)
         # Registered regions by base address, so a tensor shared by two groups counts once.
         self._registered: dict[int, Any] = {}
 
@@ -114,37 +148,85 @@ class NixlBackend:
             logger.debug("removing NIXL agent %s: %s", agent_name, e)
 
     def read(self, remote_agent: str, reads: list[GroupRead], notif: bytes) -> Transfer:
-        """Starts one READ of every group's runs; the producer gets `notif` when it is done."""
+        """Starts the READ of every group's runs; the producer gets `notif` when it is done.
+
+        A pull of `split_min_bytes` or more is split into `read_threads` READs posted at
+        once (see the module docstring); this call returns once every part is posted.
+        """
         local, remote = self._descriptors(reads)
-        mem_type = reads[0].local.mem_type
-        local_descs = self._agent.get_xfer_descs(local, mem_type)
-        remote_descs = self._agent.get_xfer_descs(remote, reads[0].remote.mem_type)
+        num_bytes = int(local[:, 1].sum())
+        started_at = time.perf_counter()
+        mem_types = (reads[0].local.mem_type, reads[0].remote.mem_type)
+        if self._posters is None or num_bytes < self.split_min_bytes:
+            handle = self._post(remote_agent, local, remote, mem_types, notif)
+            return Transfer([handle], num_bytes, len(local), started_at)
+        parts = split_descriptors(local, remote, self.read_threads)
+        others = [self._posters.submit(self._post, remote_agent, lo, re, mem_types, b"")
+                  for lo, re in parts[1:]]
+        handles, error = [], None
+        try:
+            handles.append(self._post(remote_agent, *parts[0], mem_types, b""))
+        except NixlError as e:
+            error = e
+        for future in others:
+            try:
+                handles.append(future.result())
+            except NixlError as e:
+                error = e
+        transfer = Transfer(handles, num_bytes, sum(len(lo) for lo, _ in parts), started_at,
+                            remote_agent, notif)
+        if error is not None:
+            self.release(transfer)
+            raise error
+        return transfer
+
+    def _post(self, remote_agent: str, local: np.ndarray, remote: np.ndarray,
+              mem_types: tuple[str, str], notif: bytes) -> Any:
+        """Creates and posts one READ; its handle (released here if posting failed)."""
+        local_descs = self._agent.get_xfer_descs(local, mem_types[0])
+        remote_descs = self._agent.get_xfer_descs(remote, mem_types[1])
         handle = self._call(
             self._agent.initialize_xfer, "READ", local_descs, remote_descs, remote_agent, notif
         )
-        transfer = Transfer(handle, int(local[:, 1].sum()), len(local), time.perf_counter())
         try:
             state = self._call(self._agent.transfer, handle)
         except NixlError:
-            self.release(transfer)
+            self._release_handle(handle)
             raise
         if state == "ERR":
-            self.release(transfer)
+            self._release_handle(handle)
             raise NixlError(f"NIXL could not post a read from {remote_agent}")
-        return transfer
+        return handle
 
     def poll(self, transfer: Transfer) -> str:
-        """"DONE", "PROC" or "ERR", without blocking."""
+        """"DONE", "PROC" or "ERR", without blocking; a split read's notification goes when
+        its last part is done."""
         try:
-            return self._agent.check_xfer_state(transfer.handle)
+            states = [self._agent.check_xfer_state(h) for h in transfer.handles]
         except self._errors as e:
             logger.warning("NIXL transfer state: %s", e)
             return "ERR"
+        if "ERR" in states:
+            return "ERR"
+        if any(s != "DONE" for s in states):
+            return "PROC"
+        if transfer.notif and not transfer.notified:
+            transfer.notified = True
+            try:
+                self._agent.send_notif(transfer.remote_agent, transfer.notif)
+            except self._errors as e:
+                # The bytes are here; the producer frees its blocks at its lease's end.
+                logger.warning("NIXL could not notify %s: %s", transfer.remote_agent, e)
+        return "DONE"
 
     def release(self, transfer: Transfer) -> bool:
         """Releases a transfer, cancelling it if it still runs; False if NIXL refused."""
+        released = [self._release_handle(h) for h in transfer.handles]
+        return all(released)
+
+    def _release_handle(self, handle: Any) -> bool:
         try:
-            self._agent.release_xfer_handle(transfer.handle)
+            self._agent.release_xfer_handle(handle)
         except self._errors as e:
             logger.warning("NIXL could not release a transfer: %s", e)
             return False
@@ -156,6 +238,8 @@ class NixlBackend:
         return [(agent, msg) for agent, msgs in notifs.items() for msg in msgs]
 
     def close(self) -> None:
+        if self._posters is not None:
+            self._posters.shutdown(wait=True)
         for descs in self._registered.values():
             try:
                 self._agent.deregister_memory(descs)
@@ -182,3 +266,31 @@ class NixlBackend:
             return fn(*args)
         except self._errors as e:
             raise NixlError(f"{type(e).__name__}: {e}") from e
+
+
+def split_descriptors(
+    local: np.ndarray, remote: np.ndarray, num_parts: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Cuts paired (addr, len, dev) descriptor rows into `num_parts` runs of equal bytes
+    (within one byte), cutting a row in two where a boundary falls inside it."""
+    lengths = local[:, 1].astype(np.int64)
+    ends = np.cumsum(lengths)
+    total = int(ends[-1])
+    bounds = [total * k // num_parts for k in range(num_parts + 1)]
+    parts = []
+    for start, stop in zip(bounds, bounds[1:]):
+        if stop <= start:
+            continue
+        first = int(np.searchsorted(ends, start, side="right"))
+        last = int(np.searchsorted(ends, stop, side="left"))
+        rows = slice(first, last + 1)
+        lo, re = local[rows].copy(), remote[rows].copy()
+        row_starts = ends[rows] - lengths[rows]
+        # Trim the first row's head and the last row's tail to [start, stop).
+        head = start - int(row_starts[0])
+        lo[0, 0] += head
+        re[0, 0] += head
+        lo[:, 1] = np.minimum(ends[rows], stop) - np.maximum(row_starts, start)
+        re[:, 1] = lo[:, 1]
+        parts.append((lo, re))
+    return parts

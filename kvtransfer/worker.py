@@ -78,7 +78,8 @@ class KVConnectorWorker:
         caches = list(kv_caches) if isinstance(kv_caches, (list, tuple)) else [kv_caches]
         self._layouts = [KVLayout.of_cache(c) for c in caches]
         self._backend = NixlBackend(
-            self.agent_name, self.config.ucx_error_handling_mode, self.config.nixl_progress_thread
+            self.agent_name, self.config.ucx_error_handling_mode, self.config.nixl_progress_thread,
+            self.config.read_threads, self.config.read_split_min_bytes,
         )
         self._regions = [self._backend.register(c) for c in caches]
         local = LocalIdentity(

@@ -148,7 +148,7 @@ class Consumer:
 
 
 _CONFIG_FIELDS = ("lease_s", "heartbeat_interval_s", "side_channel_timeout_s", "pull_timeout_s",
-                  "model_id")
+                  "model_id", "read_threads", "read_split_min_bytes")
 
 
 def make_consumer_on(spec: dict, num_groups: int) -> Consumer:

@@ -88,3 +88,26 @@ def test_descriptors_are_address_length_device() -> None:
     descs = run_descriptors(np.array([2, 7]), np.array([3, 1]), 0x1000, 256, 0)
     assert descs.dtype == np.uint64
     assert descs.tolist() == [[0x1000 + 2 * 256, 3 * 256, 0], [0x1000 + 7 * 256, 256, 0]]
+
+
+def test_split_descriptors_cuts_rows_into_equal_byte_runs() -> None:
+    from kvferry.kvtransfer.nixl_backend import split_descriptors
+
+    local = np.array([[1000, 10, 0], [2000, 30, 0], [3000, 20, 0]], dtype=np.uint64)
+    remote = np.array([[5000, 10, 0], [6000, 30, 0], [7000, 20, 0]], dtype=np.uint64)
+
+    (lo1, re1), (lo2, re2) = split_descriptors(local, remote, 2)
+
+    assert lo1.tolist() == [[1000, 10, 0], [2000, 20, 0]]
+    assert re1.tolist() == [[5000, 10, 0], [6000, 20, 0]]
+    assert lo2.tolist() == [[2020, 10, 0], [3000, 20, 0]]
+    assert re2.tolist() == [[6020, 10, 0], [7000, 20, 0]]
+    thirds = split_descriptors(local, remote, 3)
+    assert [lo[:, 1].sum() for lo, _ in thirds] == [20, 20, 20]
+    assert [lo.tolist() for lo, _ in thirds] == [
+        [[1000, 10, 0], [2000, 10, 0]], [[2010, 20, 0]], [[3000, 20, 0]]]
+    # One row cut in four; a part never comes out empty.
+    one = np.array([[0, 7, 0]], dtype=np.uint64)
+    assert [lo.tolist() for lo, _ in split_descriptors(one, one, 4)] == [
+        [[0, 1, 0]], [[1, 2, 0]], [[3, 2, 0]], [[5, 2, 0]]]
+    assert len(split_descriptors(one, one, 9)) == 7

@@ -61,6 +61,40 @@ def test_pulled_blocks_equal_the_producers_byte_for_byte(producers, make_consume
     assert coalesced >= 2
 
 
+@pytest.mark.parametrize("read_threads", [2, 3])
+def test_a_split_pull_moves_the_same_bytes_and_notifies_once(
+    producers, make_consumer, read_threads: int
+) -> None:
+    producer = producers(seed=11)
+    expected = fill_cache({**SMALL, "seed": 11}, 0)
+    # Every pull is split, whatever its size.
+    consumer = make_consumer(read_threads=read_threads, read_split_min_bytes=0)
+    rng = np.random.default_rng(3)
+    remote_ids = random_block_ids(rng, 13, SMALL["num_blocks"])
+    local_ids = random_block_ids(rng, 13, SMALL["num_blocks"])
+    params = producer.hold("p", [remote_ids], 13 * SMALL["block_size"])
+
+    assert consumer.pull("d", params, [local_ids], 13 * SMALL["block_size"]) is None
+
+    pulled = consumer.caches[0]
+    assert block_bytes(pulled, local_ids) == block_bytes(expected, remote_ids)
+    untouched = sorted(set(range(SMALL["num_blocks"])) - set(local_ids))
+    assert not pulled[untouched].any()
+    # The parts' descriptors: the runs, plus at most one cut per boundary between parts.
+    runs = len(block_runs(np.array(local_ids), np.array(remote_ids)))
+    first = consumer.metrics.snapshot().descriptors
+    assert runs <= first <= runs + read_threads - 1
+    # One notification, once every part was done, ended the hold.
+    status = producer.wait_ended("p")
+    assert (status["stats"]["sends_pulled"], status["stats"]["lease_expirations"]) == (1, 0)
+    # One run of blocks is cut into one descriptor per part.
+    params = producer.hold("q", [list(range(3, 16))], 13 * SMALL["block_size"])
+    assert consumer.pull("e", params, [list(range(20, 33))], 13 * SMALL["block_size"]) is None
+    assert consumer.metrics.snapshot().descriptors - first == read_threads
+    assert block_bytes(pulled, list(range(20, 33))) == block_bytes(expected, list(range(3, 16)))
+    assert producer.wait_ended("q")["stats"]["sends_pulled"] == 2
+
+
 def test_consecutive_blocks_move_with_one_descriptor(producers, make_consumer) -> None:
     producer = producers()
     consumer = make_consumer()

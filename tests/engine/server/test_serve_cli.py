@@ -168,6 +168,12 @@ def test_kv_transfer_config_per_role() -> None:
                           "--kv-failure-policy", "recompute"])
     config = kv_transfer_config(decode, None, 12, "fail", None)
     assert (config.side_channel_port, config.lease_s, config.failure_policy) == (0, 3, "recompute")
+    assert config.read_threads == 2
+    single = parse_serve([*base, "--role", "decode", "--kv-read-threads", "1"])
+    assert kv_transfer_config(single, None, None, None, None).read_threads == 1
+    with pytest.raises(ValueError, match="read_threads"):
+        kv_transfer_config(parse_serve([*base, "--role", "decode", "--kv-read-threads", "0"]),
+                           None, None, None, None)
 
 
 def batched_tokens(argv: list[str]) -> int:
