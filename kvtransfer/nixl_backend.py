@@ -30,6 +30,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -278,7 +279,7 @@ def split_descriptors(
     total = int(ends[-1])
     bounds = [total * k // num_parts for k in range(num_parts + 1)]
     parts = []
-    for start, stop in zip(bounds, bounds[1:]):
+    for start, stop in pairwise(bounds):
         if stop <= start:
             continue
         first = int(np.searchsorted(ends, start, side="right"))
