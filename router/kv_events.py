@@ -2,26 +2,23 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 
 from kvferry.engine.server.registry import kv_events_key
 from kvferry.router.prefix_index import PrefixIndex
-from redis.exceptions import RedisError
+from kvferry.router.redis_follower import RedisFollower
 
 logger = logging.getLogger("kvferry.router.kv_events")
 
 HASH_BYTES = 32  # sha256, as engine/kv_cache/hashing.py makes them
 BLOCK_MS = 200  # XREAD's wait for new entries
-RETRY_S = 1.0
 
 
 def split_hashes(joined: bytes) -> list[bytes]:
     return [joined[i:i + HASH_BYTES] for i in range(0, len(joined), HASH_BYTES)]
 
 
-class KVEventReader:
+class KVEventReader(RedisFollower):
     """Follows the service's KV event stream from its start (so a restarted router relearns
     what the pods hold) and applies each batch: evicted first, then stored.
 
@@ -31,13 +28,10 @@ class KVEventReader:
     live or replays the stream later."""
 
     def __init__(self, redis_url: str, service: str, index: PrefixIndex) -> None:
-        import redis.asyncio as aioredis
-
-        self._redis = aioredis.from_url(redis_url)
+        super().__init__(redis_url)
         self._key = kv_events_key(service)
         self._index = index
         self._last_id = "0"
-        self._task: asyncio.Task[None] | None = None
         self.num_events = 0
         # pod -> the engine instance its latest entry came from.
         self._instances: dict[str, bytes] = {}
@@ -66,20 +60,5 @@ class KVEventReader:
                 self.apply(fields)
                 self._last_id = entry_id
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._follow())
-
-    async def _follow(self) -> None:
-        while True:
-            try:
-                await self.read_once()
-            except (OSError, RedisError) as exc:
-                logger.warning("KV events: cannot read Redis: %s", exc)
-                await asyncio.sleep(RETRY_S)
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self._redis.aclose()
+    def read_failed(self, exc: Exception) -> None:
+        logger.warning("KV events: cannot read Redis: %s", exc)

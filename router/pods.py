@@ -7,15 +7,13 @@ expires.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvferry.engine.server.registry import PodRecord, pod_key_prefix
-from redis.exceptions import RedisError
+from kvferry.router.redis_follower import RedisFollower
 
 logger = logging.getLogger("kvferry.router.pods")
 
@@ -47,20 +45,17 @@ class Pod:
         return ROLE_POOL.get(self.record.role, "decode")
 
 
-class PodDirectory:
+class PodDirectory(RedisFollower):
     """Live pods by pool, refreshed from the registry in the background."""
 
     def __init__(self, redis_url: str, service: str, poll_s: float) -> None:
-        import redis.asyncio as aioredis
-
-        self._redis = aioredis.from_url(redis_url)
+        super().__init__(redis_url)
         self._prefix = pod_key_prefix(service)
-        self._poll_s = poll_s
+        self.pause_s = self.retry_s = poll_s
         self._pods: dict[str, Pod] = {}
         # pool -> its pods, rebuilt at each registry read (requests read it, never build it).
         self._by_pool: dict[str, list[Pod]] = {}
         self._failed_until: dict[str, float] = {}
-        self._task: asyncio.Task[None] | None = None
         self.is_connected = False
         # Pools that have had a live pod since the router started: an empty one is down.
         self.seen_pools: set[str] = set()
@@ -130,23 +125,11 @@ class PodDirectory:
         now = time.monotonic()
         self._failed_until = {n: t for n, t in self._failed_until.items() if t > now}
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._poll_forever())
+    async def read_once(self) -> None:
+        await self.refresh()
 
-    async def _poll_forever(self) -> None:
-        while True:
-            try:
-                await self.refresh()
-            except (OSError, RedisError) as exc:
-                # Keep the last view: pods keep serving while Redis is briefly away.
-                if self.is_connected:
-                    logger.warning("pod registry: cannot read Redis: %s", exc)
-                self.is_connected = False
-            await asyncio.sleep(self._poll_s)
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self._redis.aclose()
+    def read_failed(self, exc: Exception) -> None:
+        # Keep the last view: pods keep serving while Redis is briefly away.
+        if self.is_connected:
+            logger.warning("pod registry: cannot read Redis: %s", exc)
+        self.is_connected = False
