@@ -81,17 +81,24 @@ class LeaseTable:
         Per id, whether it is held for `reader`: False when it ended, never existed, or
         another reader claimed it.
         """
+        return [block_ids is not None for block_ids in self.claim(req_ids, reader)]
+
+    def claim(self, req_ids: Iterable[str], reader: str = "") -> list[BlockIdGroups | None]:
+        """`renew`, answering per id with the blocks held for `reader` (None: not held).
+
+        The blocks are what a consumer may read: params naming others are forged or stale.
+        """
         with self._lock:
             deadline = self._clock() + self.lease_s
-            result = []
+            result: list[BlockIdGroups | None] = []
             for req_id in req_ids:
                 held = self._holds.get(req_id)
                 if held is None or not held.serves(reader):
-                    result.append(False)
+                    result.append(None)
                     continue
                 held.reader = held.reader or reader
                 held.deadline = max(held.deadline, deadline)
-                result.append(True)
+                result.append(held.block_ids)
             return result
 
     def end(self, req_id: str, how: HoldEnd, reader: str = "") -> bool:

@@ -46,6 +46,8 @@ class _Prepared:
     held: bool
     # The producer incarnation that answered.
     agent_name: str
+    # The blocks the producer holds for the request, per group (() when not held).
+    held_block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -153,7 +155,7 @@ class Puller:
                        f"engine {engine.info.engine_id} at {engine.address} restarted: the "
                        "blocks it computed are gone")
             return
-        self._start_read(req_id, pull, engine, prepared.held)
+        self._start_read(req_id, pull, engine, prepared)
 
     def _engine_for(self, spec: PullSpec, prepared: _Prepared) -> RemoteEngine | None:
         if prepared.info is None:
@@ -161,7 +163,8 @@ class Puller:
         return self._engines.accept(prepared.address, prepared.info)
 
     # ------------------------------------------------------------------ read
-    def _start_read(self, req_id: str, pull: _Pull, engine: RemoteEngine, held: bool) -> None:
+    def _start_read(self, req_id: str, pull: _Pull, engine: RemoteEngine,
+                    prepared: _Prepared) -> None:
         params, info = pull.spec.params, engine.info
         if info.engine_id != params.remote_engine_id or (
             params.kvferry_agent_name and params.kvferry_agent_name != info.agent_name
@@ -170,10 +173,17 @@ class Puller:
                        f"engine {params.remote_engine_id} at {engine.address} restarted (now "
                        f"{info.engine_id}, agent {info.agent_name}): its blocks are gone")
             return
-        if not held:
+        if not prepared.held:
             self._fail(req_id, FailureReason.LEASE_LOST,
                        f"engine {info.engine_id} no longer holds request "
                        f"{params.remote_request_id}")
+            return
+        if prepared.held_block_ids != params.remote_block_ids:
+            # Forged or stale params: reading them would put another prompt's KV (or freed
+            # blocks) under this request's prompt, and into the prefix cache.
+            self._fail(req_id, FailureReason.INVALID_PARAMS,
+                       f"the params name blocks that engine {info.engine_id} does not hold "
+                       f"for request {params.remote_request_id}")
             return
         try:
             reads = self._group_reads(pull.spec, info)
@@ -246,7 +256,9 @@ def _prepare(client: SideChannelClient, agent_name: str, remote_req_id: str) -> 
     """Runs on a pool thread: handshake unless cached, then renew the hold."""
     info = client.handshake() if not agent_name else None
     reply = client.renew(info.agent_name if info else agent_name, [remote_req_id])
-    return _Prepared(client.address, info, held=reply.held[0], agent_name=reply.agent_name)
+    held_block_ids = reply.block_ids[0] if reply.block_ids else []
+    return _Prepared(client.address, info, held=reply.held[0], agent_name=reply.agent_name,
+                     held_block_ids=tuple(tuple(g) for g in held_block_ids))
 
 
 def _check_range(block_ids: np.ndarray, num_blocks: int, where: str) -> None:

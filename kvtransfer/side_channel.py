@@ -73,6 +73,9 @@ class LeaseReply(msgspec.Struct, frozen=True):
     lease_s: float
     # The producer incarnation answering: another one than asked for means it restarted.
     agent_name: str
+    # Renew only: per requested id, the block ids held for it, per block group ([] when not
+    # held). A consumer reads only these: params naming other blocks are refused.
+    block_ids: list[list[list[int]]] = []
 
 
 class SideChannelError(Exception):
@@ -110,14 +113,18 @@ class SideChannelServer:
     def handle(self, path: str, body: bytes) -> bytes:
         """Answers one POST; raises ValueError for a request it cannot serve."""
         request = msgspec.msgpack.decode(body, type=LeaseRequest)
+        block_ids: list[list[list[int]]] = []
         if request.agent_name and request.agent_name != self.info.agent_name:
             # Meant for an earlier incarnation of this producer: none of its holds exist.
             held = [False] * len(request.req_ids)
         elif path == RENEW_PATH:
-            held = self.leases.renew(request.req_ids, request.reader)
+            claims = self.leases.claim(request.req_ids, request.reader)
+            held = [c is not None for c in claims]
+            block_ids = [[list(g) for g in c or ()] for c in claims]
         else:
             held = [self.leases.end(r, HoldEnd.FREED, request.reader) for r in request.req_ids]
-        reply = LeaseReply(held=held, lease_s=self.leases.lease_s, agent_name=self.info.agent_name)
+        reply = LeaseReply(held=held, lease_s=self.leases.lease_s, agent_name=self.info.agent_name,
+                           block_ids=block_ids)
         return msgspec.msgpack.encode(reply)
 
     @property

@@ -50,6 +50,8 @@ def test_renew_reports_which_holds_exist(served) -> None:
     server.leases.hold("a", ((1, 2),))
     reply = client.renew("agent-1", ["a", "b"])
     assert reply.held == [True, False]
+    # What the consumer may read for each: the held blocks, per group.
+    assert reply.block_ids == [[[1, 2]], []]
     assert (reply.lease_s, reply.agent_name) == (30.0, "agent-1")
 
 

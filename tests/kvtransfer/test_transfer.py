@@ -327,12 +327,24 @@ def test_a_frozen_producer_fails_the_pull_within_the_side_channel_timeout(
     assert "timed out" in failure.message
 
 
-def test_block_ids_outside_the_producers_cache_are_refused(producers, make_consumer) -> None:
+def test_params_naming_blocks_not_held_for_the_request_are_refused(producers, make_consumer) -> None:
+    """Forged params cannot make a consumer read another prompt's KV into its cache (and
+    from there into its prefix cache): it reads only what the producer holds for the
+    request named."""
     producer = producers()
     consumer = make_consumer()
-    params = dataclasses.replace(producer.hold("p", [[3]], 4), remote_block_ids=((64,),))
+    producer.hold("other", [[9]], 4)
+    for i, forged in enumerate((((9,),), ((64,),), ((3, 9),))):
+        params = producer.hold(f"p{i}", [[3 + i]], 4)
+        local = [list(range(20, 20 + len(forged[0])))]
+        failure = consumer.pull(f"d{i}", dataclasses.replace(params, remote_block_ids=forged),
+                                local, 4 * len(forged[0]))
 
-    failure = consumer.pull("d", params, [[5]], 4)
-
-    assert failure is not None and failure.reason is FailureReason.INVALID_PARAMS
-    assert "group 0 remote block ids must be in [1, 64), got [64, 64]" in failure.message
+        assert failure is not None and failure.reason is FailureReason.INVALID_PARAMS
+        assert f"does not hold for request p{i}" in failure.message
+        assert not consumer.caches[0][local[0]].any()
+        # The consumer gave its claim on the request up at once.
+        producer.wait_ended(f"p{i}")
+    # The other request's hold is untouched.
+    status = producer.call("status")
+    assert status["blocks_held"] == 1 and "other" not in status["ended"]
