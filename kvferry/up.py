@@ -148,6 +148,10 @@ def router_child(spec: InferenceServiceSpec, redis_url: str, host: str, port: in
                  env: dict[str, str]) -> ChildSpec:
     args = [sys.executable, "-m", "kvferry.engine.cli", "router", "--service", spec.name,
             "--redis", redis_url, "--host", host, "--port", str(port)]
+    if spec.model.source_scheme in ("demo", "hostpath"):
+        # The weights are on this machine: the router tokenizes text prompts with their
+        # tokenizer instead of asking a pod (a hub model would need a download first).
+        args += ["--tokenizer", local_model_arg(spec.model.source_scheme, spec.model.source_path)]
     return ChildSpec(f"{spec.name}-router", args, env=env)
 
 

@@ -257,6 +257,19 @@ def test_engines_publish_the_prompt_block_hashes_the_router_computes(
     metrics = httpx.get(f"http://127.0.0.1:{proc.port}/metrics").text  # type: ignore[attr-defined]
     applied = re.search(r"^kvferry:router_kv_event_batches (\S+)$", metrics, re.M).group(1)
     assert float(applied) >= 1
+    # `kvferry up` hands the router the demo's tokenizer: a text prompt costs no /tokenize.
+    assert tokenized(metrics, "router") >= 1
+    before = {where: tokenized(metrics, where) for where in ("router", "pod")}
+    client(proc.port).completions.create(model=SERVICE_NAME, prompt=prompt, max_tokens=1)  # type: ignore[attr-defined]
+    after = httpx.get(f"http://127.0.0.1:{proc.port}/metrics").text  # type: ignore[attr-defined]
+    assert (tokenized(after, "router"), tokenized(after, "pod")) == (
+        before["router"] + 1, before["pod"])
+
+
+def tokenized(metrics: str, where: str) -> float:
+    found = re.search(rf'^kvferry:router_tokenized_prompts_total\{{where="{where}"\}} (\S+)$',
+                      metrics, re.M)
+    return float(found.group(1)) if found else 0.0
 
 
 def test_a_client_leaving_a_stream_stops_the_generation(up: tuple[Proc, dict[str, str]]) -> None:
