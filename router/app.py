@@ -15,6 +15,7 @@ import logging
 import re
 import uuid
 from collections.abc import AsyncGenerator, Iterator
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -25,6 +26,7 @@ from kvferry.engine.server.errors import error_body
 from kvferry.router.config import RouterSettings
 from kvferry.router.flow import Answer, Router
 from kvferry.router.hops import TRANSPORT_ERRORS, HopError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
@@ -81,7 +83,11 @@ class Gate:
         if refusal is not None:
             await refusal(scope, receive, send)
             return
-        if path in GENERATION_PATHS and scope["method"] == "POST":
+        if path in GENERATION_PATHS:
+            if scope["method"] != "POST":
+                await _send_error(send, 405, "Method Not Allowed", None,
+                                  request_id, [(b"allow", b"POST")])
+                return
             await self._generate(path, receive, send, request_id)
             return
         await self.app(scope, _limited(receive, self.max_body_bytes), send)
@@ -138,6 +144,8 @@ def _json_object(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:  # arrays or objects nested deeper than the parser goes
+        raise ValueError("the body is not valid JSON: it is nested too deeply") from None
     if not isinstance(body, dict):
         raise ValueError("the body must be a JSON object")
     return body
@@ -216,11 +224,12 @@ async def _wait_disconnect(receive: Receive) -> None:
         pass
 
 
-async def _send_error(send: Send, status: int, message: str, code: str, request_id: str) -> None:
+async def _send_error(send: Send, status: int, message: str, code: str | None, request_id: str,
+                      extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
     body = json.dumps(error_body(status, message, None, code)).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        (b"x-request-id", request_id.encode("latin-1"))]})
+        (b"x-request-id", request_id.encode("latin-1")), *(extra_headers or ())]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -249,9 +258,23 @@ def build_app(router: Router) -> Gate:
     never pass through Starlette's error and body-limit layers (each costs a send wrapper
     and a coroutine per request); the rest reaches FastAPI's routes as before."""
     app = FastAPI(title="kvferry router", docs_url=None, redoc_url=None)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
     _add_passthrough_routes(app, router)
     _add_probe_routes(app, router)
     return Gate(app, router)
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    """Unknown paths (404) and methods (405) in OpenAI's error shape, as the engine answers."""
+    assert isinstance(exc, StarletteHTTPException)
+    try:
+        phrase = HTTPStatus(exc.status_code).phrase
+    except ValueError:
+        phrase = "error"
+    message = exc.detail if isinstance(exc.detail, str) else phrase
+    response = error_json(exc.status_code, message)
+    response.headers.update(exc.headers or {})
+    return response
 
 
 def _add_passthrough_routes(app: FastAPI, router: Router) -> None:

@@ -313,3 +313,31 @@ def test_the_router_keeps_its_connections_to_the_pods_alive(pd: dict[str, Proc])
     # earlier test may have been replaced once).
     opened = {name: connections(pd[name]) - before[name] for name in before}
     assert all(n in (0, 1) for n in opened.values()), opened
+
+
+def test_deeply_nested_json_gets_openai_shaped_400(pd: dict[str, Proc]) -> None:
+    depth = 40_000
+    body = b'{"model":"fake","prompt":' + b"[" * depth + b"]" * depth + b"}"
+    response = httpx.post(f"http://127.0.0.1:{pd['router'].port}/v1/completions",  # type: ignore[attr-defined]
+                          headers={"Authorization": "Bearer key-one",
+                                   "content-type": "application/json"}, content=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_json")
+    assert "nested too deeply" in error["message"]
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [
+    ("GET", "/v1/completions", 405), ("GET", "/v1/chat/completions", 405),
+    ("GET", "/v1/nothing-here", 404), ("POST", "/nothing-here", 404),
+    ("POST", "/v1/models", 405)])
+def test_unknown_paths_and_methods_get_openai_shaped_errors(
+        pd: dict[str, Proc], method: str, path: str, status: int) -> None:
+    response = httpx.request(method, f"http://127.0.0.1:{pd['router'].port}{path}",  # type: ignore[attr-defined]
+                             headers={"Authorization": "Bearer key-one"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert error["message"] == ("Not Found" if status == 404 else "Method Not Allowed")
+    if status == 405:
+        assert "POST" in response.headers["allow"] or "GET" in response.headers["allow"]
