@@ -5,9 +5,9 @@
 registers in the pod registry like `kvferry serve`, and plays a prefill pod's part: given
 `kv_transfer_params: {"do_remote_decode": true}` it returns transfer params naming itself.
 `GET /fake/requests` lists the bodies it received; `POST /fake/behaviour` with
-`{"behaviour": "ok" | "refuse" | "cut" | "drop" | "hang" | "hold"}` makes it answer 503, cut
-streams after one chunk or before the first, never answer, or hold requests until the
-behaviour changes and then answer them. `POST /fake/cache` with `{"token_ids": [...]}` has it
+`{"behaviour": "ok" | "refuse" | "invalid" | "cut" | "drop" | "hang" | "hold"}` makes it answer
+503, answer 400 as an engine refusing a bad request, cut streams after one chunk or before the
+first, never answer, or hold requests until the behaviour changes and then answer them. `POST /fake/cache` with `{"token_ids": [...]}` has it
 publish KV events as an engine whose prefix cache now holds that prompt's full blocks;
 `GET /fake/tokenize_calls` counts the /tokenize requests it answered, and
 `GET /fake/connections` the client connections its generation requests came on.
@@ -28,6 +28,9 @@ from kvferry.engine.server.registry import PodRegistrar
 from starlette.types import Receive, Scope, Send
 
 TOKENS = (" a", " b", " c")
+# Its 400, in the engine's shape, for the "invalid" behaviour.
+INVALID_ANSWER = {"error": {"message": "max_tokens: must be at most 16", "type":
+                            "invalid_request_error", "param": "max_tokens", "code": None}}
 # Tokens per KV block it registers with (the router hashes prompts by it).
 BLOCK_SIZE = 16
 
@@ -104,6 +107,10 @@ class FakeEngine:
             return
         if self.behaviour == "refuse":
             await _send(send, 503, b'{"error": {"message": "refusing"}}')
+            return
+        if self.behaviour == "invalid":
+            self.received.append(body)
+            await _send(send, 400, json.dumps(INVALID_ANSWER).encode())
             return
         if self.behaviour == "hang":
             # A stuck pod: the router's timeout must end the wait; a new behaviour ends it here.

@@ -5,7 +5,10 @@ with `kv_transfer_params: {"do_remote_decode": true}`, one token and no streamin
 params it returns go with the original request to a decode pod, which pulls the KV blocks
 and answers (its answer holds the first token once and the whole request's usage). The
 prefill hop is skipped when the decode pod would compute only a short uncached part of
-the prompt itself, and when the prefill pool is down or fails (counted as a fallback).
+the prompt itself, for requests that are not one prompt with n == 1 (a prefill pod hands
+over the KV of one sequence), and when the prefill pool is down or fails (counted as a
+fallback). A prefill pod that refuses the request itself (a 4xx other than 429) ends it:
+the client gets that answer, as the decode pod would give it.
 """
 
 from __future__ import annotations
@@ -67,6 +70,15 @@ class Answer:
     chunks: AsyncGenerator[bytes, None] | None = None
 
 
+class RequestRefused(Exception):
+    """A pod found the request itself invalid: `answer` (its own status and body) goes to
+    the client as it is, and no other pod is tried."""
+
+    def __init__(self, answer: Answer) -> None:
+        super().__init__(f"refused with {answer.status}")
+        self.answer = answer
+
+
 class Router:
     """Shared by the routes: pods, policies, the prefix index, metrics and the HTTP client."""
 
@@ -115,7 +127,10 @@ class Router:
         # An encoder hop (encoder-decoder models) goes here, before prefill: it will run the
         # encoder pool's pod and add its own transfer params for the prefill pod to pull.
         decode = self._cache_choice(prompt)
-        params = await self._maybe_prefill(endpoint, body, prompt, decode, request_id)
+        try:
+            params = await self._maybe_prefill(endpoint, body, prompt, decode, request_id)
+        except RequestRefused as refused:
+            return refused.answer
         if params is not None:
             body = {**body, KV_TRANSFER_FIELD: params}
             raw = None
@@ -219,8 +234,11 @@ class Router:
             if "prefill" in self.pods.seen_pools:
                 self.metrics.prefill_fallbacks.labels("no_live_prefill_pod").inc()
             return None
+        if not _is_one_prompt(endpoint, body):
+            self.metrics.prefill_skips.labels("not_one_prompt").inc()
+            return None
         if self._is_short(prompt, decode):
-            self.metrics.prefill_skips.inc()
+            self.metrics.prefill_skips.labels("short_prompt").inc()
             return None
         try:
             return await self._prefill(endpoint, body, prompt, request_id)
@@ -252,6 +270,7 @@ class Router:
             raise HopError(f"prefill pod {answer.pod.name} failed mid-answer: {exc}") from None
         finally:
             release(answer)
+        _raise_if_refused(answer, raw)
         self._remember(answer.pod.name, prompt)
         if answer.response.status != 200:
             raise HopError(f"prefill pod {answer.pod.name} answered "
@@ -317,6 +336,32 @@ class Router:
         for hashes in prompt.batch_hashes:
             if hashes:
                 self.index.stored(pod, hashes)
+
+
+def _raise_if_refused(answer: HopResponse, raw: bytes) -> None:
+    """RequestRefused for a 4xx other than 429: the request is wrong (model, length, types,
+    max_tokens ...), and the decode pod would refuse it the same way."""
+    status = answer.response.status
+    if 400 <= status < 500 and status != 429:
+        content_type = answer.response.headers.get("content-type", "application/json")
+        raise RequestRefused(Answer(status, {"content-type": content_type}, body=raw))
+
+
+def _is_one_prompt(endpoint: str, body: dict[str, Any]) -> bool:
+    """True for a request with one prompt (a text, token ids, or a one-element list of
+    either; chat messages) and n == 1: the only kind a prefill pod hands over. Batches, n > 1
+    and malformed prompts go to the decode pod, which computes (or refuses) them itself."""
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n != 1):
+        return False
+    if endpoint.endswith("/chat/completions"):
+        return True
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return True
+    return isinstance(prompt, list) and bool(prompt) and _is_token_ids(prompt)
 
 
 def _given_token_ids(endpoint: str, body: dict[str, Any]) -> list[list[int]] | None:

@@ -51,10 +51,12 @@ class RouterMetrics:
             "kvferry:router_prefill_fallbacks",
             "Requests sent straight to decode because the prefill pool was down or failed",
             ["reason"], registry=r))
-        self.prefill_skips = Counter(
+        self.prefill_skips = Labelled(Counter(
             "kvferry:router_prefill_skips",
-            "Requests whose uncached prompt part was below the threshold (no prefill hop)",
-            registry=r)
+            "Requests sent straight to decode by choice: their uncached prompt part was below "
+            "the threshold (short_prompt), or they are not one prompt with n == 1 "
+            "(not_one_prompt: the prefill pod hands over one sequence's KV)",
+            ["reason"], registry=r))
         self.pod_chosen = Labelled(Counter(
             "kvferry:router_pod_chosen", "Pods chosen, per pool and policy",
             ["pool", "policy", "pod"], registry=r))

@@ -341,3 +341,50 @@ def test_unknown_paths_and_methods_get_openai_shaped_errors(
     assert error["message"] == ("Not Found" if status == 404 else "Method Not Allowed")
     if status == 405:
         assert "POST" in response.headers["allow"] or "GET" in response.headers["allow"]
+
+
+@pytest.mark.parametrize("extra", [
+    {"prompt": LONG_PROMPT, "n": 2},
+    {"prompt": [LONG_PROMPT, LONG_PROMPT + " more"]},
+    {"prompt": [list(range(300)), list(range(1, 301))]},
+], ids=["n2", "text-batch", "token-batch"])
+def test_requests_a_prefill_pod_cannot_hand_over_skip_the_prefill_hop(
+        pd: dict[str, Proc], extra: dict) -> None:
+    """A prefill pod hands over one sequence's KV: n > 1 and batches go straight to decode,
+    by choice (a skip), not after a prefill hop that could only fail (a fallback)."""
+    router = pd["router"]
+    skips = metric(router, "kvferry:router_prefill_skips_total", reason="not_one_prompt")
+    fallbacks = metric(router, "kvferry:router_prefill_fallbacks_total")
+    before = len(received(pd["prefill-0"]))
+    response = httpx.post(f"http://127.0.0.1:{router.port}/v1/completions",  # type: ignore[attr-defined]
+                          headers={"Authorization": "Bearer key-one"},
+                          json={"model": "fake", "max_tokens": 5, **extra})
+    assert response.status_code == 200, response.text
+    assert len(received(pd["prefill-0"])) == before
+    assert metric(router, "kvferry:router_prefill_skips_total",
+                  reason="not_one_prompt") == skips + 1
+    assert metric(router, "kvferry:router_prefill_fallbacks_total") == fallbacks
+    decoded = [b for pod in ("decode-0", "decode-1") for b in received(pd[pod])
+               if b.get("prompt") == extra["prompt"]]
+    assert decoded and "kv_transfer_params" not in decoded[-1]
+
+
+def test_a_request_the_prefill_pod_refuses_gets_its_error_without_a_fallback(
+        pd: dict[str, Proc]) -> None:
+    """A 400 from the prefill pod says the request is wrong: the decode pod would refuse it
+    too, so the client gets that 400 as it is, and nothing is counted as a fallback."""
+    router = pd["router"]
+    fallbacks = metric(router, "kvferry:router_prefill_fallbacks_total")
+    decoded_before = sum(len(received(pd[pod])) for pod in ("decode-0", "decode-1"))
+    set_behaviour(pd["prefill-0"], "invalid")
+    try:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client(router).completions.create(model="fake", prompt=LONG_PROMPT, max_tokens=99)
+    finally:
+        set_behaviour(pd["prefill-0"], "ok")
+    assert caught.value.status_code == 400
+    assert caught.value.body == {"message": "max_tokens: must be at most 16",
+                                 "type": "invalid_request_error", "param": "max_tokens",
+                                 "code": None}
+    assert metric(router, "kvferry:router_prefill_fallbacks_total") == fallbacks
+    assert sum(len(received(pd[pod])) for pod in ("decode-0", "decode-1")) == decoded_before
