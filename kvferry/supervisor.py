@@ -21,6 +21,8 @@ RESTART_DELAY_S = 1.0
 EXIT_POLL_S = 0.1
 # How long the log lines still in the pipe are relayed after a child's group was killed.
 DRAIN_S = 2.0
+# How long a child has from SIGTERM to its exit before SIGKILL, unless its spec says.
+STOP_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -31,6 +33,8 @@ class ChildSpec:
     args: list[str]
     env: dict[str, str] = field(default_factory=dict)
     restart: bool = True  # start again when it exits while the service runs
+    # From SIGTERM to SIGKILL when the service stops: at least the time it drains for.
+    stop_timeout_s: float = STOP_TIMEOUT_S
 
 
 class Child:

@@ -40,7 +40,9 @@ DEMO_SERVICE: dict[str, Any] = {
         "pools": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}},
     },
 }
-STOP_TIMEOUT_S = 30.0
+# What a stopping child gets beyond its drain (`spec.engine.drainSeconds`, which the router
+# and the pods both read as $KVFERRY_DRAIN_SECONDS) to close its connections and exit.
+STOP_MARGIN_S = 10.0
 # Where a local run finds the Redis URL that a cluster keeps in `spec.redis.urlSecret`.
 REDIS_URL_ENV = "KVFERRY_REDIS_URL"
 # Roles the engine does not serve yet; their pods run `both` (the router proxies to them).
@@ -134,7 +136,8 @@ def pod_children(spec: InferenceServiceSpec, redis_url: str, env: dict[str, str]
                 # pod's KV transfer side channel gets a port of its own.
                 pod_env["KVFERRY_NIXL_PORT"] = str(free_port())
             children.append(ChildSpec(name, [sys.executable, "-m", "kvferry.engine.cli",
-                                             *pod_args[1:]], env=pod_env))
+                                             *pod_args[1:]], env=pod_env,
+                                      stop_timeout_s=stop_timeout_s(spec)))
     return children
 
 
@@ -152,7 +155,13 @@ def router_child(spec: InferenceServiceSpec, redis_url: str, host: str, port: in
         # The weights are on this machine: the router tokenizes text prompts with their
         # tokenizer instead of asking a pod (a hub model would need a download first).
         args += ["--tokenizer", local_model_arg(spec.model.source_scheme, spec.model.source_path)]
-    return ChildSpec(f"{spec.name}-router", args, env=env)
+    return ChildSpec(f"{spec.name}-router", args, env=env, stop_timeout_s=stop_timeout_s(spec))
+
+
+def stop_timeout_s(spec: InferenceServiceSpec) -> float:
+    """SIGTERM to SIGKILL for the router and the pods: their drain, then some margin, so a
+    request in flight when the service stops still gets its answer."""
+    return spec.engine.drain_seconds + STOP_MARGIN_S
 
 
 def redis_child(port: int, workdir: str) -> ChildSpec:
@@ -234,7 +243,7 @@ async def _up(spec: InferenceServiceSpec, redis_url: str | None,
         code = await _serve(spec, args, len(pods), stopping)
         stopping.set()
         for child in reversed(started):  # router first, Redis last
-            await child.stop(STOP_TIMEOUT_S)
+            await child.stop(child.spec.stop_timeout_s)
     return code
 
 

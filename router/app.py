@@ -358,7 +358,9 @@ async def _serve(settings: RouterSettings, tokenizer: Tokenizer | None) -> int:
     await router.start()
     config = uvicorn.Config(build_app(router), host=settings.host, port=settings.port,
                             log_level=settings.uvicorn_log_level, access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=3,
+                            lifespan="off",
+                            # SIGTERM stops new connections; requests in flight may finish.
+                            timeout_graceful_shutdown=settings.drain_timeout_s,  # type: ignore[arg-type]
                             # Nothing here reads the client's address, and clients need
                             # no `server` header: both would cost work on every request.
                             proxy_headers=False, server_header=False)

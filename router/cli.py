@@ -12,7 +12,13 @@ import logging
 import os
 import sys
 
-from kvferry.router.config import HopTimeouts, RouterSettings, policies_from_env, read_api_keys
+from kvferry.router.config import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    HopTimeouts,
+    RouterSettings,
+    policies_from_env,
+    read_api_keys,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "text prompts are tokenized here for prefix-aware routing "
                              "instead of by a pod's /tokenize (default "
                              "$KVFERRY_ROUTER_TOKENIZER; unset: ask a pod)")
+    # A string default goes through `type`, so a bad $KVFERRY_DRAIN_SECONDS is a usage error.
+    parser.add_argument("--drain-timeout", type=float, metavar="S",
+                        default=os.environ.get("KVFERRY_DRAIN_SECONDS")
+                        or str(DEFAULT_DRAIN_TIMEOUT_S),
+                        help="on SIGTERM, seconds to let in-flight requests finish (default "
+                             "$KVFERRY_DRAIN_SECONDS, the engine pods' drain, or 30)")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
 
@@ -62,7 +74,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Rou
         api_keys=frozenset(keys), policies=policies_from_env(environ),
         prefill_threshold_tokens=args.prefill_threshold, max_body_bytes=args.max_body_bytes,
         timeouts=HopTimeouts(args.connect_timeout, args.prefill_timeout, args.decode_timeout),
-        uvicorn_log_level=args.uvicorn_log_level,
+        uvicorn_log_level=args.uvicorn_log_level, drain_timeout_s=args.drain_timeout,
         tokenizer=args.tokenizer or environ.get("KVFERRY_ROUTER_TOKENIZER") or None,
     )
 

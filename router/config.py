@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 POLICIES = ("round-robin", "least-loaded", "prefix-aware")
 POOLS = ("encoder", "prefill", "decode")
 DEFAULT_POLICIES = {"encoder": "least-loaded", "prefill": "prefix-aware", "decode": "least-loaded"}
+# On SIGTERM, seconds in-flight requests get to finish: the engine pods' default drain, so a
+# request the router holds may run as long as the pod serving it is allowed to.
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,8 @@ class RouterSettings:
     # The engines' tokenizer (a checkpoint directory or `demo`): text completion prompts are
     # tokenized in the router instead of by a pod's /tokenize. None: always ask a pod.
     tokenizer: str | None = None
+    # On SIGTERM, how long in-flight requests may still run before they are cut.
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
 
     def __post_init__(self) -> None:
         for pool, policy in self.policies.items():
@@ -58,6 +63,8 @@ class RouterSettings:
         if self.prefill_threshold_tokens < 0:
             raise ValueError(f"--prefill-threshold must be >= 0, got "
                              f"{self.prefill_threshold_tokens}")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -388,3 +389,35 @@ def test_a_request_the_prefill_pod_refuses_gets_its_error_without_a_fallback(
                                  "code": None}
     assert metric(router, "kvferry:router_prefill_fallbacks_total") == fallbacks
     assert sum(len(received(pd[pod])) for pod in ("decode-0", "decode-1")) == decoded_before
+
+
+def test_sigterm_lets_a_request_in_flight_finish(pd: dict[str, Proc], tmp_path: Path,
+                                                  redis_url: str) -> None:
+    """A stopping router refuses new connections but answers the requests it holds: one the
+    decode pod takes a while over (longer than uvicorn's few seconds) still gets its 200."""
+    router = router_process(tmp_path, redis_url, SERVICE)
+    decodes = ("decode-0", "decode-1")
+    try:
+        wait_pools(router, {"decode": list(decodes), "prefill": ["prefill-0"]})
+        before = {pod: len(received(pd[pod])) for pod in decodes}
+        for pod in decodes:
+            set_behaviour(pd[pod], "hold")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(httpx.post, f"http://127.0.0.1:{router.port}/v1/completions",  # type: ignore[attr-defined]
+                                 json={"model": "fake", "prompt": "held"}, timeout=60)
+            wait_received(pd, decodes, before, 1)
+            router.proc.send_signal(signal.SIGTERM)
+            # Longer than a short fixed shutdown grace would let the request run.
+            time.sleep(4)
+            assert router.proc.poll() is None, router.log()
+            for pod in decodes:
+                set_behaviour(pd[pod], "ok")
+            response = future.result()
+        assert router.proc.wait(20) == 0, router.log()
+    finally:
+        for pod in decodes:
+            set_behaviour(pd[pod], "ok")
+        router.stop()
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == " a b c"
+    assert "Traceback" not in router.log(), router.log()

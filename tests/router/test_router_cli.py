@@ -105,3 +105,17 @@ def test_api_key_file_holds_one_or_several_keys(tmp_path: Path) -> None:
     path.write_text("\n")
     with pytest.raises(ValueError, match="holds no key"):
         read_api_keys(str(path))
+
+
+def test_the_drain_timeout_comes_from_the_flag_or_the_pods_drain(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {"REDIS_URL": "redis://r:6379/0"}
+    plain = ["router", "--service", "s"]
+    assert settings_from_args(build_parser(plain).parse_args(plain), env).drain_timeout_s == 30
+    monkeypatch.setenv("KVFERRY_DRAIN_SECONDS", "75")
+    assert settings_from_args(build_parser(plain).parse_args(plain), env).drain_timeout_s == 75
+    flagged = [*plain, "--drain-timeout", "5"]
+    assert settings_from_args(build_parser(flagged).parse_args(flagged), env).drain_timeout_s == 5
+    negative = [*plain, "--drain-timeout", "-1"]
+    with pytest.raises(ValueError, match="--drain-timeout"):
+        settings_from_args(build_parser(negative).parse_args(negative), env)

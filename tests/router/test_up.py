@@ -337,6 +337,29 @@ def test_each_local_pod_gets_its_own_kv_side_channel_port() -> None:
     assert {c.env["KVFERRY_POD_NAME"] for c in children} == {c.name for c in children}
 
 
+def test_the_router_and_pods_get_their_drain_before_sigkill(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """`kvferry up` stops the router (then the pods) with SIGTERM and waits longer than the
+    drain they read from the service's environment before it kills them."""
+    from kvferry.engine.cli import build_parser
+    from kvferry.operator.render import render_config_map
+    from kvferry.operator.spec import parse_spec
+    from kvferry.up import load_service, pod_children, router_child
+
+    manifest = load_service(None)
+    manifest["spec"]["engine"]["drainSeconds"] = 45
+    spec = parse_spec(manifest)
+    env = dict(render_config_map(spec)["data"])
+    router = router_child(spec, "redis://127.0.0.1:1", "127.0.0.1", 8000, env)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    argv = router.args[3:]
+    drain = build_parser(argv).parse_args(argv).drain_timeout
+    assert drain == 45
+    assert router.stop_timeout_s > drain
+    assert all(pod.stop_timeout_s > drain for pod in pod_children(spec, "redis://x:1", env))
+
+
 # ---------------------------------------------------------------------- prefill and decode pools
 PD_PODS = [f"{SERVICE_NAME}-prefill-0", f"{SERVICE_NAME}-decode-0", f"{SERVICE_NAME}-decode-1"]
 LONG_MESSAGES = [{"role": "user", "content": SHARED_PREFIX}]
