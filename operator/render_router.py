@@ -22,7 +22,13 @@ from kvferry.operator.render_pod import (
     pod_security_context,
     resources_manifest,
 )
-from kvferry.operator.render_pools import RUN_AS_USER, PodContext, model_arg, model_volumes
+from kvferry.operator.render_pools import (
+    RUN_AS_USER,
+    PodContext,
+    model_arg,
+    model_volumes,
+    termination_grace_seconds,
+)
 from kvferry.operator.spec import InferenceServiceSpec
 
 API_KEY_DIR = "/etc/kvferry/api-key"
@@ -78,8 +84,10 @@ def render_router_deployment(spec: InferenceServiceSpec, ctx: PodContext) -> dic
     resources = resources_manifest(spec.router.resources)
     if resources:
         container["resources"] = resources
+    # The router drains for $KVFERRY_DRAIN_SECONDS (the ConfigMap) as the engines do, so it
+    # gets their grace period: a request in flight on a rollout still gets its answer.
     pod = {"securityContext": pod_security_context(RUN_AS_USER), "containers": [container],
-           "volumes": volumes}
+           "volumes": volumes, "terminationGracePeriodSeconds": termination_grace_seconds(spec)}
     pod_labels = labels(spec.name, "router")
     annotations = {**scrape_annotations(), CONFIG_CHECKSUM_ANNOTATION: ctx.config_checksum}
     return {

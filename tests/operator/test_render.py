@@ -182,6 +182,7 @@ def test_probes_allow_model_loading_and_grace_outlasts_the_drain() -> None:
     assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 120
     assert deployment["spec"]["progressDeadlineSeconds"] > 3600
     assert children["ConfigMap/svc-config"]["data"]["KVFERRY_DRAIN_SECONDS"] == "120"
+    assert pod_of(children, "svc-router")["spec"]["terminationGracePeriodSeconds"] > 120
     router = pod_of(children, "svc-router")["spec"]["containers"][0]
     assert (router["readinessProbe"]["httpGet"]["path"], router["livenessProbe"]["httpGet"]["path"]) == (
         "/health", "/ping")
