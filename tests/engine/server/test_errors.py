@@ -111,8 +111,9 @@ LONE_SURROGATES = [
     ("/v1/chat/completions",
      r'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\ud83d"}]}]}',
      "messages", "messages[0].content[0].text"),
-    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "w5"}], '
-     r'"chat_template_kwargs": {"system": "\ud800"}}', "chat_template_kwargs",
+    ("/v1/chat/completions", (r'{"messages": [{"role": "user", "content": "w5"}], '
+                              r'"chat_template_kwargs": {"system": "\ud800"}}'),
+     "chat_template_kwargs",
      "chat_template_kwargs.system"),
     ("/tokenize", r'{"prompt": "\ud800"}', "prompt", "prompt"),
     ("/tokenize", r'{"messages": [{"role": "user\ud800", "content": "w5"}]}', "messages",
