@@ -416,7 +416,8 @@ def test_up_on_a_port_in_use_says_so_before_starting_anything(tmp_path: Path) ->
     assert done.returncode == 2, done
     assert done.stdout == "" and "Traceback" not in done.stderr, done
     assert done.stderr.startswith(f"kvferry up: error: cannot listen on 127.0.0.1:{port} ("), done
-    assert done.stderr.endswith("another process holds it; stop it or choose another --port\n"), done
+    assert done.stderr.endswith(
+        "another process holds it; stop it or choose another --port\n"), done
     assert "pod " not in done.stderr, done  # nothing was started
 
 

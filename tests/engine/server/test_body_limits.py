@@ -117,7 +117,8 @@ def test_a_prompt_too_long_by_its_length_alone_is_refused_untokenized(
         assert error["param"] == param
         # "at least": the count comes from the length; a tokenized prompt has an exact count.
         # (A chat's rendered template adds its own characters to the message's.)
-        match = re.match(r"the prompt has at least (\d+) tokens \((\d+) characters", error["message"])
+        match = re.match(r"the prompt has at least (\d+) tokens \((\d+) characters",
+                         error["message"])
         assert match is not None, error
         assert int(match[1]) >= at_least and int(match[2]) >= len(text), error
         assert f"more than the maximum model length of {MAX_MODEL_LEN}" in error["message"]
