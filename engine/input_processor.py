@@ -53,9 +53,26 @@ class InputProcessor:
         """Tokenizes and validates a prompt; ValueError names the problem and the limit."""
         text, token_ids = _split_prompt(prompt)
         if token_ids is None:
+            self.check_text_fits(text or "")
             token_ids = self.tokenizer.encode(text or "")
         self.limits.check_prompt(token_ids)
         return ProcessedPrompt(text, list(token_ids))
+
+    def check_text_fits(self, text: str) -> None:
+        """ValueError when `text` has too many characters to fit max_model_len in tokens.
+
+        Decided from the length alone, before tokenizing: a huge text is refused at once
+        instead of holding the server while it is tokenized only to be refused.
+        """
+        longest = self.tokenizer.max_token_chars
+        if longest is None:
+            return
+        min_tokens = -(-len(text) // longest)
+        if min_tokens > self.limits.max_model_len:
+            raise ValueError(
+                f"the prompt has at least {min_tokens} tokens ({len(text)} characters, and no "
+                f"token covers more than {longest}), more than the maximum model length of "
+                f"{self.limits.max_model_len}")
 
     def make_requests(
         self,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from kvferry.engine.arg_utils import add_engine_arguments, engine_config_from_args
 from kvferry.engine.kv_transfer_args import add_kv_transfer_arguments, kv_transfer_config
+from kvferry.engine.server.state import DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:
     from kvferry.engine.server.registry import RegistrationSettings
@@ -52,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the tokenizer's")
     server.add_argument("--max-num-waiting", type=int, default=None, metavar="N",
                         help="answer 429 while N or more requests wait for the engine")
+    server.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        metavar="N", help="answer 413 to a request body larger than N bytes, "
+                                          "before reading it (default 8 MiB, as the router)")
     # A string default goes through `type`, so a bad $KVFERRY_DRAIN_SECONDS is a usage error.
     server.add_argument("--drain-timeout", type=float,
                         default=os.environ.get("KVFERRY_DRAIN_SECONDS") or str(DEFAULT_DRAIN_TIMEOUT_S),
@@ -125,6 +129,8 @@ def check_supported(args: argparse.Namespace) -> str | None:
     if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
         return ("tensor and pipeline parallelism are not available yet; "
                 "--tensor-parallel-size and --pipeline-parallel-size must be 1")
+    if args.max_body_bytes < 1024:
+        return f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}"
     if args.max_num_waiting is not None and args.max_num_waiting < 1:
         return f"--max-num-waiting must be >= 1, got {args.max_num_waiting}"
     if not args.drain_timeout >= 0:
@@ -181,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
         settings = ServerSettings(
             host=args.host, port=args.port, api_key=read_api_key(args, os.environ),
             chat_template=args.chat_template, max_num_waiting=args.max_num_waiting,
+            max_body_bytes=args.max_body_bytes,
             drain_timeout_s=args.drain_timeout, log_prompts=args.log_prompts,
             uvicorn_log_level=args.uvicorn_log_level,
             registration=_registration(args, env),

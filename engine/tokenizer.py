@@ -55,6 +55,68 @@ def _clean_up_tokenization(text: str) -> str:
     return text
 
 
+# Pre-tokenizers that keep every character of the text (they split it or map it one to one).
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Punctuation",
+                                     "UnicodeScripts"})
+
+
+def _keeps_text(pre_tokenizer: dict[str, Any] | None) -> bool:
+    if pre_tokenizer is None:
+        return True
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(p) for p in pre_tokenizer.get("pretokenizers", ()))
+    if kind == "Split":
+        return pre_tokenizer.get("behavior") != "Removed"
+    return kind in _KEEPING_PRE_TOKENIZERS
+
+
+def _has_byte_level(pre_tokenizer: dict[str, Any] | None) -> bool:
+    if pre_tokenizer is None:
+        return False
+    if pre_tokenizer.get("type") == "Sequence":
+        return any(_has_byte_level(p) for p in pre_tokenizer.get("pretokenizers", ()))
+    return pre_tokenizer.get("type") == "ByteLevel"
+
+
+def _normalizer_never_shrinks(normalizer: dict[str, Any] | None) -> bool:
+    """Whether the normalizer leaves at least as many characters as it gets."""
+    if normalizer is None:
+        return True
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        return all(_normalizer_never_shrinks(n) for n in normalizer.get("normalizers", ()))
+    if kind == "Prepend":
+        return True
+    if kind == "Replace":
+        pattern = normalizer.get("pattern", {})
+        return "String" in pattern and len(normalizer.get("content", "")) >= len(pattern["String"])
+    return False
+
+
+def longest_token_chars(spec: dict[str, Any]) -> int | None:
+    """The most characters of text one token can stand for, from a `tokenizer.json`.
+
+    Then a text of C characters has at least C / L tokens, which tells that a prompt is
+    too long without tokenizing it. None when no such bound holds: a model other than BPE,
+    an unknown character without a byte to fall back to (it may fuse into one unknown
+    token), or a normalizer or pre-tokenizer that can drop characters. A byte-level
+    token's vocabulary string has one character per byte, so its length bounds the text
+    characters it covers; added (special) tokens count with their own text.
+    """
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        return None
+    pre_tokenizer = spec.get("pre_tokenizer")
+    if not (model.get("byte_fallback") or _has_byte_level(pre_tokenizer)):
+        return None
+    if not (_keeps_text(pre_tokenizer) and _normalizer_never_shrinks(spec.get("normalizer"))):
+        return None
+    lengths = [len(token) for token in model.get("vocab", {})]
+    lengths += [len(added.get("content", "")) for added in spec.get("added_tokens", ())]
+    return max([1, *lengths])
+
+
 class Tokenizer:
     """A checkpoint's tokenizer: `encode`, `decode`, its special ids and chat template."""
 
@@ -77,6 +139,8 @@ class Tokenizer:
         is_bpe = type(backend.model).__name__ == "BPE"
         self.clean_up_tokenization_spaces = clean_up_tokenization_spaces and not is_bpe
         self.chat_template = chat_template
+        # Read once here (loading runs off the server's event loop); see longest_token_chars.
+        self.max_token_chars = longest_token_chars(json.loads(backend.to_str()))
 
     @classmethod
     def from_pretrained(cls, model_dir: Path) -> Tokenizer:

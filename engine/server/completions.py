@@ -31,6 +31,7 @@ from kvferry.engine.server.serving import (
     abort_on_disconnect,
     check_model,
     check_queue_room,
+    check_text_fits,
     check_request_fits,
     engine_error,
     process_prompt,
@@ -99,6 +100,7 @@ def prepare(state: ServerState, body: CompletionRequest, request: Request) -> Co
 
 def _process(engine: AsyncLLM, prompt: str | list[int], add_special_tokens: bool) -> ProcessedPrompt:
     if isinstance(prompt, str) and not add_special_tokens:
+        check_text_fits(engine, prompt, "prompt")
         ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
         return process_prompt(engine, {"prompt": prompt, "prompt_token_ids": ids}, "prompt")
     return process_prompt(engine, prompt, "prompt")

@@ -8,6 +8,7 @@ name the field and the limit. Both failures become 400s naming the field.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -18,6 +19,7 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     model_serializer,
+    model_validator,
 )
 
 from kvferry.engine.sampling_params import SamplingParams
@@ -41,6 +43,62 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+class RequestBody(OpenAIModel):
+    """A request body; its text must be Unicode that the tokenizer can take.
+
+    JSON can spell a lone UTF-16 surrogate (`"\\ud800"`), which Python keeps in a str but
+    which no UTF-8 tokenizer or codec accepts: found before the body is parsed, it is a 400
+    naming its field instead of a failure deep in the tokenizer or the detokenizer.
+    """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_lone_surrogates(cls, data: Any) -> Any:
+        found = find_lone_surrogate(data, "")
+        if found is not None:
+            path, position, char = found
+            raise bad_request(
+                f"{path} holds a lone UTF-16 surrogate (\\u{ord(char):04x}) at character "
+                f"{position}: text must be valid Unicode (a surrogate only comes in a "
+                "high-low pair)", param=_field_of(path))
+        return data
+
+
+# Python decodes a JSON surrogate pair into one character, so any surrogate left is lone.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def find_lone_surrogate(value: Any, path: str) -> tuple[str, int, str] | None:
+    """(location, character index, surrogate) of the first lone surrogate in a JSON value."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        match = _SURROGATE.search(value)
+        return None if match is None else (path, match.start(), match.group())
+    if isinstance(value, dict):
+        for key, item in value.items():
+            key_path = f"{path}.{key}" if path else str(key)
+            found = find_lone_surrogate(key, f"{key_path} (its name)")
+            if found is None:
+                found = find_lone_surrogate(item, key_path)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = find_lone_surrogate(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _field_of(path: str) -> str:
+    """The top-level field of a location: "messages[0].content" -> "messages"."""
+    for end, char in enumerate(path):
+        if char in ".[ ":
+            return path[:end]
+    return path
+
+
 class StreamOptions(OpenAIModel):
     # Send one more chunk, with empty choices and the request's usage, before [DONE].
     include_usage: bool = False
@@ -48,7 +106,7 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False
 
 
-class SamplingRequest(OpenAIModel):
+class SamplingRequest(RequestBody):
     """The sampling and streaming fields that completions and chat share."""
 
     model: str | None = None
@@ -223,7 +281,7 @@ class ChatCompletionRequest(SamplingRequest):
         return out
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestBody):
     """POST /tokenize: a prompt, or chat messages rendered with the chat template."""
 
     model: str | None = None
@@ -234,7 +292,7 @@ class TokenizeRequest(OpenAIModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestBody):
     """POST /detokenize."""
 
     model: str | None = None

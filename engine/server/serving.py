@@ -37,6 +37,14 @@ def process_prompt(engine: AsyncLLM, prompt: PromptType, param: str) -> Processe
         raise bad_request(str(exc), param=param) from None
 
 
+def check_text_fits(engine: AsyncLLM, text: str, param: str) -> None:
+    """400 naming `param` when `text` cannot fit max_model_len, found without tokenizing it."""
+    try:
+        engine.input_processor.check_text_fits(text)
+    except ValueError as exc:
+        raise bad_request(str(exc), param=param) from None
+
+
 def check_request_fits(
     engine: AsyncLLM, prompts: list[ProcessedPrompt], params: SamplingParams,
     max_tokens_param: str,

@@ -7,6 +7,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+# The largest request body read by default (the router's default too).
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
 if TYPE_CHECKING:
     from kvferry.engine.async_llm import AsyncLLM
     from kvferry.engine.server.registry import RegistrationSettings
@@ -25,6 +28,8 @@ class ServerSettings:
     chat_template: str | None = None
     # 429 while this many requests wait in the engine; None for no limit.
     max_num_waiting: int | None = None
+    # 413 for a request body larger than this, before reading it.
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # On SIGTERM, seconds to let in-flight requests finish before exiting anyway.
     drain_timeout_s: float = 30.0
     # Put prompt text in the per-request log lines.

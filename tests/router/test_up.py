@@ -33,6 +33,9 @@ MODEL_FLAGS = ["--max-model-len", "1024", "--kv-cache-memory-bytes", KV_BYTES,
 # Words of the demo tokenizer's vocabulary, so a prompt's token count is predictable enough.
 SHARED_PREFIX = " ".join(["the history of the river and the town"] * 24)
 MESSAGES = [{"role": "user", "content": "Tell me about the river."}]
+# The router key of the prefill/decode service (a Secret on a cluster, the environment here);
+# clients send it to every router, and routers without a key ignore it.
+API_KEY = "uptest-key"
 
 
 def service_yaml(tmp: Path) -> Path:
@@ -104,7 +107,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
 
 
 def client(port: int) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY,
                          max_retries=0, timeout=60)
 
 
@@ -367,11 +370,13 @@ PREFILL_THRESHOLD = RouterSettings.prefill_threshold_tokens
 
 
 def pd_yaml(tmp: Path) -> Path:
-    """The service with one prefill and two decode pods, on a Redis whose URL a Secret holds."""
+    """The service with one prefill and two decode pods, on a Redis whose URL a Secret holds,
+    behind a router whose API key a Secret holds."""
     manifest = yaml.safe_load(service_yaml(tmp).read_text())
     manifest["spec"]["pools"] = {"prefill": {"replicas": 1}, "decode": {"replicas": 2}}
     # Round robin: the router sends each decode pod its share, whatever their loads.
-    manifest["spec"]["router"] = {"routing": {"decode": "round-robin"}}
+    manifest["spec"]["router"] = {"routing": {"decode": "round-robin"},
+                                  "apiKeySecret": {"name": "router-keys", "key": "key"}}
     manifest["spec"]["redis"] = {"urlSecret": {"name": "shared-redis", "key": "url"}}
     path = tmp / "pd.yaml"
     path.write_text(yaml.safe_dump(manifest))
@@ -383,7 +388,8 @@ def pd(tmp_path_factory: pytest.TempPathFactory, redis_url: str
        ) -> Iterator[tuple[Proc, dict[str, str]]]:
     """`kvferry up` of the prefill/decode service; the test's Redis stands for the Secret's."""
     tmp = tmp_path_factory.mktemp("pd")
-    proc, pods = launch_up(tmp, pd_yaml(tmp), PD_PODS, env={"KVFERRY_REDIS_URL": redis_url})
+    proc, pods = launch_up(tmp, pd_yaml(tmp), PD_PODS,
+                           env={"KVFERRY_REDIS_URL": redis_url, "KVFERRY_API_KEY": API_KEY})
     try:
         yield proc, pods
     finally:
@@ -399,6 +405,56 @@ def test_up_takes_a_url_secrets_redis_from_the_environment(
     keys = sorted(k.decode() for k in store.scan_iter(f"kvferry:{SERVICE_NAME}:pod:*"))
     assert keys == [f"kvferry:{SERVICE_NAME}:pod:{name}" for name in sorted(PD_PODS)]
     assert "[redis]" not in proc.log()  # no Redis of its own
+
+
+def test_up_takes_the_routers_api_key_secret_from_the_environment(
+        pd: tuple[Proc, dict[str, str]]) -> None:
+    proc, pods = pd
+    body = {"model": SERVICE_NAME, "prompt": "Hello", "max_tokens": 2}
+    url = f"http://127.0.0.1:{proc.port}/v1/completions"  # type: ignore[attr-defined]
+    refused = httpx.post(url, json=body, timeout=60, trust_env=False)
+    assert refused.status_code == 401, refused.text
+    wrong = httpx.post(url, json=body, timeout=60, trust_env=False,
+                       headers={"Authorization": "Bearer not-the-key"})
+    assert wrong.status_code == 401, wrong.text
+    served = httpx.post(url, json=body, timeout=60, trust_env=False,
+                        headers={"Authorization": f"Bearer {API_KEY}"})
+    assert served.status_code == 200, served.text
+    # The key is the router's: the pods behind it take requests without one, as on a cluster.
+    pod = httpx.post(pods[PD_PODS[-1]] + "/v1/completions", json=body, timeout=60,
+                     trust_env=False)
+    assert pod.status_code == 200, pod.text
+
+
+def test_up_with_an_api_key_secret_and_no_key_says_how_to_run_it(tmp_path: Path,
+                                                                  redis_url: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "KVFERRY_API_KEY"}
+    env["KVFERRY_REDIS_URL"] = redis_url
+    done = subprocess.run([sys.executable, "-m", "kvferry.engine.cli", "up", "-f",
+                           str(pd_yaml(tmp_path)), "--port", str(free_port())],
+                          check=False, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2, done
+    assert done.stdout == "" and "Traceback" not in done.stderr, done
+    assert done.stderr == (
+        "kvferry up: error: spec.router.apiKeySecret names key 'key' of Secret 'router-keys', "
+        "which a local run cannot read: set KVFERRY_API_KEY to that API key, or drop "
+        "spec.router.apiKeySecret to serve without a key\n")
+
+
+def test_up_on_a_port_in_use_says_so_before_starting_anything(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "kvferry.engine.cli", "up", "-f",
+                               str(service_yaml(tmp_path)), "--port", str(port)],
+                              check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done
+    assert done.stdout == "" and "Traceback" not in done.stderr, done
+    assert done.stderr.startswith(f"kvferry up: error: cannot listen on 127.0.0.1:{port} ("), done
+    assert done.stderr.endswith(
+        "another process holds it; stop it or choose another --port\n"), done
+    assert "pod " not in done.stderr, done  # nothing was started
 
 
 def test_up_with_a_url_secret_and_no_redis_url_says_how_to_run_it(tmp_path: Path) -> None:

@@ -7,6 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvferry.engine.models.demo import CHAT_TEMPLATE, create_demo_checkpoint
 from kvferry.engine.tokenizer import Tokenizer
@@ -101,3 +103,32 @@ def test_clean_up_applies_to_wordpiece(tmp_path):
 def test_missing_tokenizer_json(tmp_path):
     with pytest.raises(ValueError, match="has no tokenizer.json"):
         Tokenizer.from_pretrained(tmp_path)
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(max_size=400) | st.lists(st.sampled_from(
+    ["Hello", " world", "<|user|>", "</s>", "\n", "  ", "🚀", "ü", "the history of"]),
+    max_size=60).map("".join))
+def test_the_longest_token_bounds_a_texts_token_count(demo_dir, text):
+    """No text has fewer tokens than its characters over the longest token's (the bound the
+    server uses to refuse a prompt without tokenizing it)."""
+    tokenizer = Tokenizer.from_pretrained(demo_dir)
+    longest = tokenizer.max_token_chars
+    assert longest is not None and longest >= 1
+    for add_special_tokens in (True, False):
+        num_tokens = len(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        assert num_tokens >= -(-len(text) // longest), (text, num_tokens, longest)
+
+
+def test_no_length_bound_where_a_token_may_cover_any_number_of_characters(make_checkpoint,
+                                                                          demo_dir):
+    # A word-level vocabulary maps an unknown word of any length to one token.
+    assert Tokenizer.from_pretrained(make_checkpoint(vocab_size=64)).max_token_chars is None
+    # A pre-tokenizer that drops whitespace lets any run of spaces cost no token.
+    import tokenizers
+
+    backend = tokenizers.Tokenizer.from_file(str(demo_dir / "tokenizer.json"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Sequence(
+        [tokenizers.pre_tokenizers.WhitespaceSplit(), tokenizers.pre_tokenizers.ByteLevel()])
+    assert Tokenizer(backend).max_token_chars is None

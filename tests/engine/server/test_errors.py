@@ -99,6 +99,44 @@ def test_malformed_json_is_a_400(http: httpx.Client) -> None:
     assert_still_serving(http)
 
 
+# Bodies spelling a lone UTF-16 surrogate as a JSON escape (valid JSON, not valid Unicode),
+# in every kind of text field that reaches the tokenizer or the detokenizer.
+LONE_SURROGATES = [
+    ("/v1/completions", r'{"prompt": "\ud800 x", "max_tokens": 2}', "prompt", "prompt"),
+    ("/v1/completions", r'{"prompt": ["w5", "w6 \udfff"]}', "prompt", "prompt[1]"),
+    ("/v1/completions", r'{"prompt": "w5", "stop": ["\ud800"]}', "stop", "stop[0]"),
+    ("/v1/completions", r'{"prompt": "w5", "stop": "w6\udc00"}', "stop", "stop"),
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "\ud800"}]}',
+     "messages", "messages[0].content"),
+    ("/v1/chat/completions",
+     r'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\ud83d"}]}]}',
+     "messages", "messages[0].content[0].text"),
+    ("/v1/chat/completions", (r'{"messages": [{"role": "user", "content": "w5"}], '
+                              r'"chat_template_kwargs": {"system": "\ud800"}}'),
+     "chat_template_kwargs",
+     "chat_template_kwargs.system"),
+    ("/tokenize", r'{"prompt": "\ud800"}', "prompt", "prompt"),
+    ("/tokenize", r'{"messages": [{"role": "user\ud800", "content": "w5"}]}', "messages",
+     "messages[0].role"),
+]
+
+
+@pytest.mark.parametrize(("path", "raw", "param", "where"), LONE_SURROGATES,
+                         ids=[w for _, _, _, w in LONE_SURROGATES])
+def test_a_lone_surrogate_is_a_400_naming_its_field(http: httpx.Client,
+                                                    live_server: ServerProcess, path: str,
+                                                    raw: str, param: str, where: str) -> None:
+    response = http.post(path, content=raw.encode(), headers={"Content-Type": "application/json"})
+    assert_error(response, 400, param, f"{where} holds a lone UTF-16 surrogate",
+                 "valid Unicode")
+    assert "TypeError" not in live_server.log() and "codec" not in live_server.log()
+    # A surrogate pair is one valid character.
+    pair = http.post("/tokenize", content=rb'{"prompt": "w5 \ud83d\ude00"}',
+                     headers={"Content-Type": "application/json"})
+    assert pair.status_code == 200, pair.text
+    assert_still_serving(http)
+
+
 def test_unknown_model_is_a_404(http: httpx.Client) -> None:
     error = assert_error(http.post("/v1/completions", json={"model": "gpt-9", "prompt": "w5"}),
                          404, "model", "gpt-9")
