@@ -15,14 +15,13 @@ import logging
 import re
 import uuid
 from collections.abc import AsyncGenerator, Iterator
-from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from kvferry.engine.server.errors import error_body
+from kvferry.engine.server.errors import error_body, http_error_message
 from kvferry.router.config import RouterSettings
 from kvferry.router.flow import Answer, Router
 from kvferry.router.hops import TRANSPORT_ERRORS, HopError
@@ -267,12 +266,7 @@ def build_app(router: Router) -> Gate:
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     """Unknown paths (404) and methods (405) in OpenAI's error shape, as the engine answers."""
     assert isinstance(exc, StarletteHTTPException)
-    try:
-        phrase = HTTPStatus(exc.status_code).phrase
-    except ValueError:
-        phrase = "error"
-    message = exc.detail if isinstance(exc.detail, str) else phrase
-    response = error_json(exc.status_code, message)
+    response = error_json(exc.status_code, http_error_message(exc))
     response.headers.update(exc.headers or {})
     return response
 

@@ -134,14 +134,19 @@ async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse
     return error_response(400, message, param)
 
 
+def http_error_message(exc: StarletteHTTPException) -> str:
+    """What an unknown path or method error says: its detail, else its status's phrase."""
+    if isinstance(exc.detail, str):
+        return exc.detail
+    try:
+        return HTTPStatus(exc.status_code).phrase
+    except ValueError:
+        return "error"
+
+
 async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    try:
-        phrase = HTTPStatus(exc.status_code).phrase
-    except ValueError:
-        phrase = "error"
-    message = exc.detail if isinstance(exc.detail, str) else phrase
-    return error_response(exc.status_code, message)
+    return error_response(exc.status_code, http_error_message(exc))
 
 
 async def _on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
