@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from serving import wait_ready
 
 VOCAB = 2048  # the demo model's
 
@@ -53,17 +54,7 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("server not ready")
+        wait_ready(self.url, self.proc, timeout_s)
 
     def metric(self, name: str) -> float:
         for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
@@ -85,7 +85,7 @@ class Transfer:
     # carried by the single READ).
     remote_agent: str = ""
     notif: bytes = b""
-    notified: bool = field(default=False)
+    notified: bool = False
 
 
 class NixlBackend:

@@ -164,6 +164,29 @@ def test_a_refused_connection_is_a_connection_error() -> None:
         run(body)
 
 
+async def post_twice(
+    client: PodClient,
+    serve: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+    pause_s: float = 0.0,
+) -> list[tuple[int, bytes]]:
+    """Two requests through `client` to a loopback TCP server that runs `serve` for each
+    connection; their statuses and bodies."""
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    results = []
+    try:
+        for _ in range(2):
+            response = await client.post(f"http://127.0.0.1:{port}", "/v1/completions",
+                                         WHOLE_BODY, HEADERS, TIMEOUT)
+            results.append((response.status, await response.read()))
+            response.release()
+            if pause_s:
+                await asyncio.sleep(pause_s)
+    finally:
+        server.close()
+    return results
+
+
 def raw_server(answer: bytes, close_after: bool) -> Callable[[PodClient], Awaitable[object]]:
     """A body for `run`: a TCP server on a loopback port that reads one request per
     connection and writes `answer`, closing the connection after it if `close_after`; the
@@ -184,19 +207,8 @@ def raw_server(answer: bytes, close_after: bool) -> Callable[[PodClient], Awaita
                     break
             writer.close()
 
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        results = []
-        try:
-            for _ in range(2):
-                response = await client.post(f"http://127.0.0.1:{port}", "/v1/completions",
-                                             WHOLE_BODY, HEADERS, TIMEOUT)
-                results.append((response.status, await response.read()))
-                response.release()
-                await asyncio.sleep(0.1)  # the server's close reaches the client
-        finally:
-            server.close()
-        return results, accepted
+        # The pause lets the server's close reach the client.
+        return await post_twice(client, serve, pause_s=0.1), accepted
 
     return body
 
@@ -233,17 +245,6 @@ def test_a_request_the_pod_dropped_unread_on_a_kept_connection_goes_again() -> N
                 await writer.drain()
             writer.close()
 
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        results = []
-        try:
-            for _ in range(2):
-                response = await client.post(f"http://127.0.0.1:{port}", "/v1/completions",
-                                             WHOLE_BODY, HEADERS, TIMEOUT)
-                results.append((response.status, await response.read()))
-                response.release()
-        finally:
-            server.close()
-        return results, accepted
+        return await post_twice(client, serve), accepted
 
     assert run(body) == ([(200, b"ok"), (200, b"ok")], 2)
