@@ -20,11 +20,11 @@ import httpx
 import openai
 import pytest
 import yaml
-from procs import Proc, free_port, wait_http
-
 from kvferry.router.config import RouterSettings
-from kvferry.router.kv_events import split_hashes
 from kvferry.router.prefix_index import prompt_block_hashes
+from kvferry_testing.procs import Proc, free_port, wait_http
+
+from kvferry.protocol.kv_events import split_hashes
 
 SERVICE_NAME = "uptest"
 KV_BYTES = str(32 * 1024 * 1024)
@@ -59,7 +59,7 @@ def launch_up(tmp: Path, manifest: Path, pod_names: list[str],
               env: dict[str, str] | None = None) -> tuple[Proc, dict[str, str]]:
     """`kvferry up -f manifest`, once it says ready; returns it and pod name -> URL."""
     port = free_port()
-    proc = Proc([sys.executable, "-m", "kvferry.engine.cli", "up", "-f", str(manifest),
+    proc = Proc([sys.executable, "-m", "kvferry.cli", "up", "-f", str(manifest),
                  "--port", str(port)], tmp / "up.log", env=env)
     proc.port = port  # type: ignore[attr-defined]
     deadline = time.monotonic() + 240
@@ -95,7 +95,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     """One colocated `kvferry serve`, the reference."""
     tmp = tmp_path_factory.mktemp("single")
     port = free_port()
-    proc = Proc([sys.executable, "-m", "kvferry.engine.cli", "serve", "--model", "demo",
+    proc = Proc([sys.executable, "-m", "kvferry.cli", "serve", "--model", "demo",
                  "--served-model-name", SERVICE_NAME, "--port", str(port), *MODEL_FLAGS],
                 tmp / "single.log")
     proc.port = port  # type: ignore[attr-defined]
@@ -329,6 +329,7 @@ def test_up_restarts_a_dead_pod(up: tuple[Proc, dict[str, str]]) -> None:
 
 def test_each_local_pod_gets_its_own_kv_side_channel_port() -> None:
     from kvferry.operator.spec import parse_spec
+
     from kvferry.up import load_service, pod_children
 
     spec = parse_spec(load_service(None))
@@ -344,9 +345,10 @@ def test_the_router_and_pods_get_their_drain_before_sigkill(monkeypatch: pytest.
                                                             ) -> None:
     """`kvferry up` stops the router (then the pods) with SIGTERM and waits longer than the
     drain they read from the service's environment before it kills them."""
-    from kvferry.engine.cli import build_parser
     from kvferry.operator.render import render_config_map
     from kvferry.operator.spec import parse_spec
+
+    from kvferry.cli import build_parser
     from kvferry.up import load_service, pod_children, router_child
 
     manifest = load_service(None)
@@ -430,7 +432,7 @@ def test_up_with_an_api_key_secret_and_no_key_says_how_to_run_it(tmp_path: Path,
                                                                   redis_url: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "KVFERRY_API_KEY"}
     env["KVFERRY_REDIS_URL"] = redis_url
-    done = subprocess.run([sys.executable, "-m", "kvferry.engine.cli", "up", "-f",
+    done = subprocess.run([sys.executable, "-m", "kvferry.cli", "up", "-f",
                            str(pd_yaml(tmp_path)), "--port", str(free_port())],
                           check=False, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2, done
@@ -446,7 +448,7 @@ def test_up_on_a_port_in_use_says_so_before_starting_anything(tmp_path: Path) ->
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "kvferry.engine.cli", "up", "-f",
+        done = subprocess.run([sys.executable, "-m", "kvferry.cli", "up", "-f",
                                str(service_yaml(tmp_path)), "--port", str(port)],
                               check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done
@@ -459,7 +461,7 @@ def test_up_on_a_port_in_use_says_so_before_starting_anything(tmp_path: Path) ->
 
 def test_up_with_a_url_secret_and_no_redis_url_says_how_to_run_it(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "KVFERRY_REDIS_URL"}
-    done = subprocess.run([sys.executable, "-m", "kvferry.engine.cli", "up", "-f",
+    done = subprocess.run([sys.executable, "-m", "kvferry.cli", "up", "-f",
                            str(pd_yaml(tmp_path)), "--port", str(free_port())],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2, done

@@ -13,11 +13,11 @@ import sys
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("kvferry.engine.generate_cli", "generate text offline from a prompt"),
+    "generate": ("kvferry.engine.frontend.generate_cli", "generate text offline from a prompt"),
     "up": ("kvferry.up", "run an InferenceService on this machine (Redis, pods, router)"),
     "operator": ("kvferry.operator.cli", "run the Kubernetes operator (kopf)"),
     "router": ("kvferry.router.cli", "run the router of an InferenceService (one OpenAI endpoint)"),
-    "serve": ("kvferry.engine.serve_cli", "serve a model over an OpenAI-compatible HTTP API"),
+    "serve": ("kvferry.engine.server.cli", "serve a model over an OpenAI-compatible HTTP API"),
 }
 
 

@@ -13,10 +13,10 @@ import time
 from collections.abc import Iterable
 
 import torch
-
 from kvferry.engine.config import CacheConfig, EngineConfig
-from kvferry.engine.kv_cache import KVCacheManager
-from kvferry.engine.messages import (
+from kvferry.engine.core.kv_cache import KVCacheManager
+from kvferry.engine.core.kv_connector import start_kv_connector
+from kvferry.engine.core.messages import (
     EngineCoreInfo,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -25,15 +25,13 @@ from kvferry.engine.messages import (
     FinishReason,
     SchedulerStats,
 )
-from kvferry.engine.kv_connector import KVConnector
-from kvferry.kvtransfer.params import KVTransferParams
+from kvferry.engine.core.request import Request, RequestStatus
+from kvferry.engine.core.scheduler import Scheduler
+from kvferry.engine.core.scheduler_output import SchedulerOutput
 from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.models.loader import resolve_dtype
 from kvferry.engine.models.source import resolve_model_source
-from kvferry.engine.request import Request, RequestStatus
 from kvferry.engine.runner.model_runner import ModelRunner, determine_num_blocks
-from kvferry.engine.scheduler import Scheduler
-from kvferry.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +63,7 @@ class EngineCore:
         )
         self.kv_connector = (
             None if config.kv_transfer is None
-            else KVConnector.start(config.kv_transfer, self.runner.kv_cache, cache_cfg.block_size)
+            else start_kv_connector(config.kv_transfer, self.runner.kv_cache, cache_cfg.block_size)
         )
         self.scheduler = Scheduler(
             sched_cfg, self.kv_cache_manager,
@@ -98,7 +96,6 @@ class EngineCore:
             raise ValueError(f"request id {request.req_id!r} is already in use")
         self.info.limits.check_prompt(request.prompt_token_ids)
         self.info.limits.check_params(request.sampling_params)
-        transfer = KVTransferParams.from_dict(request.kv_transfer_params)
         self.scheduler.add_request(Request(
             request_id=request.req_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -107,7 +104,7 @@ class EngineCore:
             priority=request.priority,
             arrival_time=request.arrival_time,
             cache_salt=request.cache_salt,
-            kv_transfer_params=transfer,
+            kv_transfer_params=request.kv_transfer_params,
         ))
 
     def abort_requests(
@@ -149,7 +146,7 @@ class EngineCore:
     def make_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()
         if self.kv_connector is not None:
-            stats.kv_transfer = self.kv_connector.metrics.snapshot()
+            stats.kv_transfer = self.kv_connector.stats()
         return stats
 
     def shutdown(self) -> None:

@@ -16,9 +16,9 @@ import enum
 from typing import Any
 
 import msgspec
-
 from kvferry.engine.sampling_params import SamplingParams
 from kvferry.kvtransfer.metrics import KVTransferStats
+from kvferry.kvtransfer.params import KVTransferParams
 
 
 class FinishReason(enum.IntEnum):
@@ -50,8 +50,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     # Extra prefix-cache key material (a hash of prompt embeddings or of an encoder input).
     cache_salt: bytes | None = None
-    # The client's `kv_transfer_params` (vLLM's shape), validated by the front end.
-    kv_transfer_params: dict[str, Any] | None = None
+    # The client's `kv_transfer_params`, parsed and validated once, by the front end; the
+    # core passes them to its KV connector without reading them.
+    kv_transfer_params: KVTransferParams | None = None
 
 
 # One sampled position: [(token_id, logprob, rank), ...], the sampled token first, then the
@@ -170,7 +171,7 @@ class EngineCoreInfo(msgspec.Struct, array_like=True, frozen=True):
 
 
 # ---------------------------------------------------------------- the engine-core socket
-# `kvferry serve` runs the core in its own process (engine/core_process.py). Each message
+# `kvferry serve` runs the core in its own process (engine/frontend/core_process.py). Each message
 # kind is its own tagged struct, so one msgpack decoder per direction reads a union of them.
 
 

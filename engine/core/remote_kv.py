@@ -17,17 +17,17 @@ Invariant: a pulled block enters the prefix-cache index only after its pull succ
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from typing import Any
 
-from kvferry.engine.kv_cache import KVCacheManager
-from kvferry.engine.request import Request, RequestStatus
-from kvferry.kvtransfer.connector import (
+from kvferry.engine.core.kv_cache import KVCacheManager
+from kvferry.engine.core.kv_connector import (
+    FailurePolicy,
     FinishedTransfers,
-    KVConnectorOutput,
-    KVConnectorScheduler,
+    KVConnectorSchedulerBase,
     TransferFailure,
 )
-from kvferry.kvtransfer.params import KVTransferParams, prompt_hash
+from kvferry.engine.core.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class TransferOutcome:
 class RemoteKV:
     """Requests parked for a pull and finished requests whose blocks are kept."""
 
-    def __init__(self, connector: KVConnectorScheduler, manager: KVCacheManager) -> None:
+    def __init__(self, connector: KVConnectorSchedulerBase, manager: KVCacheManager) -> None:
         self.connector = connector
         self._manager = manager
         # Parked requests -> tokens their pull brings (past their local prefix hits).
@@ -56,8 +56,8 @@ class RemoteKV:
         self.num_fallbacks = 0
 
     @property
-    def failure_policy(self) -> str:
-        return self.connector.config.failure_policy
+    def failure_policy(self) -> FailurePolicy:
+        return self.connector.failure_policy
 
     def __len__(self) -> int:
         return len(self.waiting_for_remote) + len(self.kept)
@@ -71,18 +71,15 @@ class RemoteKV:
 
         KV computed for another prompt is never pulled: the request computes its own.
         """
-        params = request.kv_transfer_params
-        if params is not None and params.do_remote_prefill and not _same_prompt(request, params):
-            logger.warning(
-                "request %s: its prompt differs from the one request %s held on %s computed; "
-                "computing it here", request.request_id, params.remote_request_id,
-                params.remote_engine_id,
-            )
+        num_external = self.connector.get_num_new_matched_tokens(
+            request.kv_transfer_params, request.prompt_token_ids, num_hit_tokens
+        )
+        if num_external is None:
+            logger.warning("request %s: its remote KV was computed for another prompt; "
+                           "computing it here", request.request_id)
             self.num_fallbacks += 1
             return 0
-        return self.connector.get_num_new_matched_tokens(
-            params, request.num_prompt_tokens, num_hit_tokens
-        )
+        return num_external
 
     def park(self, request: Request, num_hit_tokens: int, num_external: int) -> None:
         """Plans the pull of a request whose blocks were just allocated."""
@@ -96,7 +93,7 @@ class RemoteKV:
     def compute_locally(self, request: Request) -> None:
         """A remote-prefill request that pulls nothing: the producer may free its hold."""
         params = request.kv_transfer_params
-        if params is not None and params.do_remote_prefill:
+        if self.connector.is_pull(params):
             self.connector.update_state_after_alloc(
                 request.request_id, params, [self._manager.get_block_ids(request.request_id)],
                 request.num_computed_tokens, 0,
@@ -104,7 +101,7 @@ class RemoteKV:
             request.kv_transfer_params = None
 
     # ------------------------------------------------------------------ each step
-    def update(self, output: KVConnectorOutput) -> TransferOutcome:
+    def update(self, output: object) -> TransferOutcome:
         """Applies the worker's report: ready and failed parked requests, freed kept blocks."""
         done: FinishedTransfers = self.connector.get_finished(output)
         outcome = TransferOutcome()
@@ -135,7 +132,7 @@ class RemoteKV:
     def remove_waiting(self, request: Request) -> None:
         del self.waiting_for_remote[request.request_id]
 
-    def request_finished(self, request: Request) -> KVTransferParams | None:
+    def request_finished(self, request: Request) -> dict[str, Any] | None:
         """Asks the connector whether a finished request's blocks must be kept.
 
         Returns the params for a remote decode (a producer's finished prefill). When the
@@ -145,19 +142,8 @@ class RemoteKV:
         keep, params = self.connector.request_finished(
             request.request_id, request.kv_transfer_params,
             [self._manager.get_block_ids(request.request_id)],
-            request.num_computed_tokens, aborted,
+            request.all_token_ids, request.num_computed_tokens, aborted,
         )
         if keep:
             self.kept[request.request_id] = request
-        if params is None:
-            return None
-        held_tokens = request.all_token_ids[: params.kvferry_num_tokens]
-        return replace(params, kvferry_prompt_hash=prompt_hash(held_tokens))
-
-
-def _same_prompt(request: Request, params: KVTransferParams) -> bool:
-    """Whether the held blocks were computed for this request's prompt (True if unknown)."""
-    if params.kvferry_prompt_hash is None:
-        return True  # a producer that does not say (another implementation): trust the router
-    held = request.prompt_token_ids[: params.kvferry_num_tokens]
-    return prompt_hash(held) == params.kvferry_prompt_hash
+        return params

@@ -6,9 +6,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from kvferry.engine.messages import FinishReason
+from kvferry.engine.core.kv_connector import TransferParams
+from kvferry.engine.core.messages import FinishReason
 from kvferry.engine.sampling_params import SamplingParams
-from kvferry.kvtransfer.params import KVTransferParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -58,9 +58,10 @@ class Request:
     # Extra prefix-cache key material that must match for blocks to be shared
     # (for example a hash of prompt embeddings); None when the tokens say it all.
     cache_salt: bytes | None = None
-    # Remote-KV instructions (pull from a producer, or hold for a remote decode); set to
-    # None once a pull is over, so a preempted request recomputes instead of pulling again.
-    kv_transfer_params: KVTransferParams | None = None
+    # Remote-KV instructions (pull from a producer, or hold for a remote decode), opaque
+    # to the core: only the KV connector reads them. Set to None once a pull is over, so a
+    # preempted request recomputes instead of pulling again.
+    kv_transfer_params: TransferParams = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

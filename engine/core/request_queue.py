@@ -7,7 +7,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from kvferry.engine.request import Request
+from kvferry.engine.core.request import Request
 
 
 class FCFSQueue:

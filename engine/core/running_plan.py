@@ -12,9 +12,9 @@ from __future__ import annotations
 from operator import attrgetter
 
 import numpy as np
-from kvferry.engine.kv_cache import KVCacheManager
-from kvferry.engine.request import Request
-from kvferry.engine.step_budget import StepBudget
+from kvferry.engine.core.kv_cache import KVCacheManager
+from kvferry.engine.core.request import Request
+from kvferry.engine.core.step_budget import StepBudget
 
 request_id = attrgetter("request_id")
 _num_computed_tokens = attrgetter("num_computed_tokens")

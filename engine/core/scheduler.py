@@ -23,21 +23,21 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvferry.engine.config import SchedulerConfig
-from kvferry.engine.kv_cache import KVCacheBlock, KVCacheManager
-from kvferry.engine.messages import EngineCoreOutput, FinishReason, SchedulerStats
-from kvferry.engine.remote_kv import RemoteKV
-from kvferry.engine.request import Request, RequestStatus
-from kvferry.engine.request_queue import make_request_queue
-from kvferry.engine.running_plan import plan_running, request_id
-from kvferry.engine.scheduler_output import (
+from kvferry.engine.core.kv_cache import KVCacheBlock, KVCacheManager
+from kvferry.engine.core.kv_connector import KVConnectorSchedulerBase
+from kvferry.engine.core.messages import EngineCoreOutput, FinishReason, SchedulerStats
+from kvferry.engine.core.remote_kv import RemoteKV
+from kvferry.engine.core.request import Request, RequestStatus
+from kvferry.engine.core.request_queue import make_request_queue
+from kvferry.engine.core.running_plan import plan_running, request_id
+from kvferry.engine.core.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
     SchedulerOutput,
     new_request_data,
 )
-from kvferry.engine.step_budget import StepBudget
-from kvferry.engine.stopping import MinTokensGuard, check_stop
-from kvferry.kvtransfer.connector import KVConnectorOutput, KVConnectorScheduler
+from kvferry.engine.core.step_budget import StepBudget
+from kvferry.engine.core.stopping import MinTokensGuard, check_stop
 
 
 class Scheduler:
@@ -47,7 +47,7 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
-        connector: KVConnectorScheduler | None = None,
+        connector: KVConnectorSchedulerBase | None = None,
     ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
@@ -72,11 +72,12 @@ class Scheduler:
         eos = () if params.ignore_eos else request.eos_token_ids
         request.stop_token_set = frozenset((*eos, *params.stop_token_ids))
         transfer = request.kv_transfer_params
-        if transfer is not None and self.remote is None:
-            raise ValueError("kv_transfer_params need an engine with KV transfer enabled")
-        if transfer is not None and transfer.do_remote_decode:
-            # A prefill for a remote decode ends at its first token (vLLM's max_tokens 1).
-            request.max_output_tokens = min(request.max_output_tokens, 1)
+        if transfer is not None:
+            if self.remote is None:
+                raise ValueError("kv_transfer_params need an engine with KV transfer enabled")
+            cap = self.remote.connector.max_output_tokens(transfer)
+            if cap is not None:
+                request.max_output_tokens = min(request.max_output_tokens, cap)
         self.requests[request.request_id] = request
         if self.remote is not None:
             self.remote.add_request(request)
@@ -117,7 +118,7 @@ class Scheduler:
         # Always reported, wherever the request was: a request preempted and then aborted
         # while waiting has no row but may still have runner state (a seeded generator).
         self.finished_req_ids.add(request.request_id)
-        return None if params is None else params.to_dict()
+        return params
 
     def fail_step(self, scheduler_output: SchedulerOutput) -> list[Request]:
         """Finishes every request of a step that raised, freeing their blocks.
@@ -146,7 +147,7 @@ class Scheduler:
         return bool(self.waiting) or bool(self.running)
 
     # ------------------------------------------------------------------ transfers
-    def update_from_kv_connector(self, output: KVConnectorOutput) -> list[EngineCoreOutput]:
+    def update_from_kv_connector(self, output: object) -> list[EngineCoreOutput]:
         """Applies the KV worker's report; returns the outputs of requests it ended.
 
         Ready requests go back to the front of the queue with their pulled tokens computed;

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvferry.engine.request import Request
+from kvferry.engine.core.request import Request
 from kvferry.engine.sampling_params import SamplingParams
 
 

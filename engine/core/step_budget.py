@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvferry.engine.request import Request
+from kvferry.engine.core.request import Request
 
 
 class StepBudget:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvferry.engine.request import Request, RequestStatus
+from kvferry.engine.core.request import Request, RequestStatus
 
 
 def check_stop(request: Request, token_id: int) -> RequestStatus | None:

@@ -2,7 +2,7 @@
 
 It is `LLMEngine`'s two-process twin. The same `InputProcessor` (tokenize, validate against
 the core's limits, fan `n` out into sequences) and `OutputProcessor` (detokenize, stop
-strings, fan in) run here, in the server's process; the core (engine/core_process.py) runs
+strings, fan in) run here, in the server's process; the core (engine/frontend/core_process.py) runs
 the model in another, so HTTP work and detokenization overlap with model steps.
 
 What crosses: each validated sequence goes to the core as an `AddRequest`; the core answers
@@ -12,7 +12,7 @@ outputs, feeds the `OutputProcessor` (DELTA outputs: only what is new), aborts i
 the sequences a stop string ended, calls the stats listeners, and puts each request's
 outputs on its own queue, from which `generate()` yields them.
 
-Death: a task awaits the core process's exit (engine/core_client.py). When the core ends
+Death: a task awaits the core process's exit (engine/frontend/core_client.py). When the core ends
 without being asked to, every request in flight and every new one fails with
 `EngineDeadError` at once, and the dead listeners are told (the server exits non-zero so
 that Kubernetes restarts the pod).
@@ -24,13 +24,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from kvferry.engine.config import EngineConfig
-from kvferry.engine.core_client import CoreClient, EngineDeadError
-from kvferry.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
-from kvferry.engine.messages import (
+from kvferry.engine.core.messages import (
     AbortRequests,
     AddRequest,
     CoreFailed,
@@ -39,12 +37,18 @@ from kvferry.engine.messages import (
     FinishReason,
     SchedulerStats,
 )
+from kvferry.engine.frontend.core_client import CoreClient, EngineDeadError
+from kvferry.engine.frontend.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from kvferry.engine.frontend.output_processor import (
+    OutputProcessor,
+    RequestOutputKind,
+    make_parent_state,
+)
+from kvferry.engine.frontend.outputs import RequestOutput
+from kvferry.engine.frontend.stats import IterationStats
+from kvferry.engine.frontend.tokenizer import Tokenizer
 from kvferry.engine.models.source import resolve_model_source
-from kvferry.engine.output_processor import OutputProcessor, RequestOutputKind, make_parent_state
-from kvferry.engine.outputs import RequestOutput
 from kvferry.engine.sampling_params import SamplingParams
-from kvferry.engine.stats import IterationStats
-from kvferry.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The front end's end of the engine-core process: start it, talk to it, see it die, stop it.
 
-The core runs `python -m kvferry.engine.core_process`: a fresh interpreter, so it inherits
+The core runs `python -m kvferry.engine.frontend.core_process`: a fresh interpreter, so it inherits
 no event loop, threads or accelerator context from the server and never re-imports the
 server's main module (multiprocessing's "spawn" would). Its config goes on the command
 line as JSON (msgspec encodes the config dataclasses). The front end binds both `ipc://`
@@ -27,10 +27,8 @@ from collections.abc import Callable
 import msgspec
 import zmq
 import zmq.asyncio
-
 from kvferry.engine.config import EngineConfig
-from kvferry.engine.core_process import open_socket
-from kvferry.engine.messages import (
+from kvferry.engine.core.messages import (
     CoreFailed,
     CoreInput,
     CoreOutput,
@@ -38,6 +36,7 @@ from kvferry.engine.messages import (
     EngineCoreInfo,
     ShutdownCore,
 )
+from kvferry.engine.frontend.core_process import open_socket
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +89,7 @@ class CoreClient:
         )
         try:
             client.process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "kvferry.engine.core_process",
+                sys.executable, "-m", "kvferry.engine.frontend.core_process",
                 "--config", msgspec.json.encode(config).decode(),
                 "--input", input_address, "--output", output_address,
                 "--parent-pid", str(os.getpid()),

@@ -6,7 +6,7 @@ With the core (scheduler, KV cache, model runner) in a process of its own, a ste
 the front end parses the next requests and streams the last step's tokens, and the loop never
 waits on a slow client.
 
-What crosses (engine/messages.py, msgspec msgpack, one tagged struct per message kind):
+What crosses (engine/core/messages.py, msgspec msgpack, one tagged struct per message kind):
 
 - front end -> core, on a PUSH/PULL pair: `AddRequest` (one tokenized, validated sequence),
   `AbortRequests` (ids; the client went away or a stop string ended them) and `ShutdownCore`;
@@ -21,7 +21,7 @@ they outlive a core that dies, and the core connects.
 Death: the core blocks on its input socket when idle (no busy spin) and wakes at least every
 `PARENT_CHECK_INTERVAL_S` to check that the process that started it is still its parent; when
 the front end is gone (killed, out of memory) it exits, so no orphan keeps the model's memory.
-The front end watches the core's process sentinel (engine/async_llm.py).
+The front end watches the core's process sentinel (engine/frontend/async_llm.py).
 
 The loop is drain inputs -> step -> send. A pipeline-parallel executor (several steps in
 flight) or a KV connector (transfers finishing between steps) plugs in at
@@ -41,9 +41,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
-
 from kvferry.engine.config import EngineConfig
-from kvferry.engine.messages import (
+from kvferry.engine.core.messages import (
     AbortRequests,
     AddRequest,
     CoreFailed,
@@ -57,10 +56,10 @@ from kvferry.engine.messages import (
     SchedulerStats,
     ShutdownCore,
 )
-from kvferry.engine.request import RequestStatus
+from kvferry.engine.core.request import RequestStatus
 
 if TYPE_CHECKING:
-    from kvferry.engine.engine_core import EngineCore
+    from kvferry.engine.core.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +252,7 @@ def _serve(
     encoder: msgspec.msgpack.Encoder,
 ) -> None:
     # Imported here: torch and the model code load in the core process only.
-    from kvferry.engine.engine_core import EngineCore
+    from kvferry.engine.core.engine_core import EngineCore
 
     engine_core = EngineCore(config)
     try:
@@ -282,7 +281,7 @@ def open_socket(context: zmq.Context, kind: int, address: str, *, bind: bool) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m kvferry.engine.core_process`: how the front end starts the core.
+    """`python -m kvferry.engine.frontend.core_process`: how the front end starts the core.
 
     A fresh interpreter (not a fork) inherits no event loop, threads or accelerator context
     from the server, and does not re-import the server's main module.

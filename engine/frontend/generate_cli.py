@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from kvferry.engine.llm_engine import LLMEngine
+    from kvferry.engine.frontend.llm_engine import LLMEngine
     from kvferry.engine.sampling_params import SamplingParams
 
     try:

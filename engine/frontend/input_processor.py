@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvferry.engine.messages import EngineCoreInfo, EngineCoreRequest
+from kvferry.engine.core.messages import EngineCoreInfo, EngineCoreRequest
+from kvferry.engine.frontend.tokenizer import Tokenizer
 from kvferry.engine.sampling_params import SamplingParams
-from kvferry.engine.tokenizer import Tokenizer
 from kvferry.kvtransfer.params import KVTransferParams
 
 # A prompt: text, token ids, or a dict with "prompt" or "prompt_token_ids".
@@ -112,16 +112,18 @@ class InputProcessor:
 
     def _check_kv_transfer_params(
         self, data: dict[str, Any] | None, params: SamplingParams
-    ) -> dict[str, Any] | None:
-        """Validates them here, so a bad object is the client's 400, not a core error."""
-        if KVTransferParams.from_dict(data) is None:
+    ) -> KVTransferParams | None:
+        """Parses and validates them, once: a bad object is the client's 400, and the core
+        receives them typed (its KV connector reads them; the core does not)."""
+        transfer = KVTransferParams.from_dict(data)
+        if transfer is None:
             return None
         if not self.kv_transfer_enabled:
             raise ValueError("kv_transfer_params: this server runs without KV transfer "
                              "(start it with --role prefill, decode, or --kv-transfer)")
         if params.n != 1:
             raise ValueError("kv_transfer_params need n=1")
-        return dict(data)  # type: ignore[arg-type]
+        return transfer
 
 
 def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:

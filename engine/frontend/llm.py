@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvferry.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvferry.engine.llm_engine import LLMEngine, PromptType, RequestOutputKind
-from kvferry.engine.outputs import RequestOutput
+from kvferry.engine.frontend.llm_engine import LLMEngine, PromptType, RequestOutputKind
+from kvferry.engine.frontend.outputs import RequestOutput
 from kvferry.engine.sampling_params import SamplingParams
 
 

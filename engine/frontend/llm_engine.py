@@ -12,22 +12,22 @@ import logging
 import time
 
 from kvferry.engine.config import EngineConfig
-from kvferry.engine.engine_core import EngineCore
-from kvferry.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
-from kvferry.engine.kv_cache import KVCacheManager
-from kvferry.engine.models.source import resolve_model_source
-from kvferry.engine.output_processor import (
+from kvferry.engine.core.engine_core import EngineCore
+from kvferry.engine.core.kv_cache import KVCacheManager
+from kvferry.engine.core.request import RequestStatus
+from kvferry.engine.core.scheduler import Scheduler
+from kvferry.engine.frontend.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from kvferry.engine.frontend.output_processor import (
     OutputProcessor,
     RequestOutputKind,
     make_parent_state,
 )
-from kvferry.engine.outputs import RequestOutput
-from kvferry.engine.request import RequestStatus
+from kvferry.engine.frontend.outputs import RequestOutput
+from kvferry.engine.frontend.stats import EngineStats, IterationStats
+from kvferry.engine.frontend.tokenizer import Tokenizer
+from kvferry.engine.models.source import resolve_model_source
 from kvferry.engine.runner.model_runner import ModelRunner
 from kvferry.engine.sampling_params import SamplingParams
-from kvferry.engine.scheduler import Scheduler
-from kvferry.engine.stats import EngineStats, IterationStats
-from kvferry.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

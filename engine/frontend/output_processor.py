@@ -9,16 +9,16 @@ core (`child_request_id`). What a caller receives each step depends on the reque
 from __future__ import annotations
 
 import enum
-from typing import Any
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from kvferry.engine.detokenizer import IncrementalDetokenizer
-from kvferry.engine.messages import EngineCoreOutput, FinishReason, PositionLogprobs
-from kvferry.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvferry.engine.core.messages import EngineCoreOutput, FinishReason, PositionLogprobs
+from kvferry.engine.frontend.detokenizer import IncrementalDetokenizer
+from kvferry.engine.frontend.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvferry.engine.frontend.stats import IterationStats
+from kvferry.engine.frontend.tokenizer import Tokenizer
 from kvferry.engine.sampling_params import SamplingParams
-from kvferry.engine.stats import IterationStats
-from kvferry.engine.tokenizer import Tokenizer
 
 
 class RequestOutputKind(enum.IntEnum):

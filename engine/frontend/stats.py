@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvferry.engine.messages import SchedulerStats
+from kvferry.engine.core.messages import SchedulerStats
 
 
 @dataclass

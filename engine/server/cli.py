@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvferry.engine.arg_utils import add_engine_arguments, engine_config_from_args
-from kvferry.engine.kv_transfer_args import add_kv_transfer_arguments, kv_transfer_config
 from kvferry.engine.server.state import DEFAULT_MAX_BODY_BYTES
+from kvferry.kvtransfer.args import add_kv_transfer_arguments, kv_transfer_config
 
 if TYPE_CHECKING:
     from kvferry.engine.server.registry import RegistrationSettings

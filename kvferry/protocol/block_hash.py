@@ -1,4 +1,4 @@
-"""Chained block hashes for prefix caching.
+"""Chained block hashes for prefix caching, computed alike by the engines and the router.
 
 The hash of full block `i` covers the hash of block `i - 1`, the block's token ids and the
 request's extra keys (a hash of prompt embeddings or of an encoder input), so equal hashes
@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import array
 import hashlib
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 BlockHash = bytes
+# sha256 digests.
+HASH_BYTES = 32
 
 # The parent of a request's first block.
-ROOT_HASH: BlockHash = b"\x00" * 32
+ROOT_HASH: BlockHash = b"\x00" * HASH_BYTES
 
 
 def hash_block_tokens(
@@ -23,8 +27,8 @@ def hash_block_tokens(
 ) -> BlockHash:
     """Returns the 32-byte hash of one full block given its parent's hash."""
     digest = hashlib.sha256(parent_hash)
-    if isinstance(token_ids, np.ndarray):
-        digest.update(token_ids.astype(np.int64, copy=False).tobytes())
+    if hasattr(token_ids, "astype"):  # a NumPy array (the router needs no NumPy import)
+        digest.update(token_ids.astype("int64", copy=False).tobytes())
     else:
         digest.update(array.array("q", token_ids).tobytes())  # cheaper than numpy for a block
     if extra_keys:

@@ -11,14 +11,14 @@ from kvferry import LLM, SamplingParams
 
 def _kvferry(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvferry.engine.cli", *args],
+        [sys.executable, "-m", "kvferry.cli", *args],
         capture_output=True, text=True, timeout=300,
     )
 
 
 def test_help_lists_subcommands_without_importing_torch() -> None:
     code = (
-        "import sys; from kvferry.engine.cli import main\n"
+        "import sys; from kvferry.cli import main\n"
         "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
         "print('torch' in sys.modules)"
     )

@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvferry.engine.kv_cache.hashing import BlockHash
-from kvferry.engine.kv_cache.kv_events import KVEventLog
+from kvferry.engine.core.kv_cache.kv_events import KVEventLog
+
+from kvferry.protocol.block_hash import BlockHash
 
 
 @dataclass(eq=False)

@@ -9,7 +9,7 @@ the step ran, so a reader applies a batch's `evicted` before its `stored`.
 
 from __future__ import annotations
 
-from kvferry.engine.kv_cache.hashing import BlockHash
+from kvferry.protocol.block_hash import BlockHash
 
 # Hashes kept between drains; past this the log stops growing (a reader that misses
 # events only routes less precisely, and its entries age out).

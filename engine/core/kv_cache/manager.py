@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from itertools import islice, repeat
 
 import numpy as np
+from kvferry.engine.core.kv_cache.block_pool import BlockPool, KVCacheBlock
+from kvferry.engine.core.request import Request
 
-from kvferry.engine.kv_cache.block_pool import BlockPool, KVCacheBlock
-from kvferry.engine.kv_cache.hashing import hash_request_blocks
-from kvferry.engine.request import Request
+from kvferry.protocol.block_hash import hash_request_blocks
 
 
 @dataclass

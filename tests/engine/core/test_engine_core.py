@@ -10,11 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from kvferry.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvferry.engine.llm_engine import LLMEngine
-from kvferry.engine.outputs import RequestOutput
-from kvferry.engine.request import RequestStatus
+from kvferry.engine.core.request import RequestStatus
+from kvferry.engine.frontend.llm_engine import LLMEngine
+from kvferry.engine.frontend.outputs import RequestOutput
 from kvferry.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -148,8 +147,8 @@ def test_a_pool_smaller_than_one_max_len_sequence_is_refused_at_start(checkpoint
     with pytest.raises(ValueError, match=r"2 blocks of 4 tokens \(8 tokens\), fewer than "
                                          r"max_model_len=12.*num_gpu_blocks_override"):
         make_engine(checkpoint, num_blocks=3, max_model_len=12)
-    from kvferry.engine.engine_core import check_kv_cache_fits
     import torch
+    from kvferry.engine.core.engine_core import check_kv_cache_fits
 
     with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
         check_kv_cache_fits(3, CacheConfig(block_size=4), 12, torch.device("cpu"))

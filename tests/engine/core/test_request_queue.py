@@ -1,7 +1,7 @@
 """Waiting queues: FCFS and priority order, preemption to the front, removal."""
 
-from kvferry.engine.request import Request
-from kvferry.engine.request_queue import FCFSQueue, PriorityQueue, make_request_queue
+from kvferry.engine.core.request import Request
+from kvferry.engine.core.request_queue import FCFSQueue, PriorityQueue, make_request_queue
 from kvferry.engine.sampling_params import SamplingParams
 
 

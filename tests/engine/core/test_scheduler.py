@@ -5,14 +5,17 @@ the runner, sampling fixed token ids for the requests whose prompt is done.
 """
 
 import pytest
-
 from kvferry.engine.config import SchedulerConfig
-from kvferry.engine.kv_cache import KVCacheManager
-from kvferry.engine.messages import EngineCoreOutput, FinishReason
-from kvferry.engine.request import Request, RequestStatus
+from kvferry.engine.core.kv_cache import KVCacheManager
+from kvferry.engine.core.messages import EngineCoreOutput, FinishReason
+from kvferry.engine.core.request import Request, RequestStatus
+from kvferry.engine.core.scheduler import Scheduler
+from kvferry.engine.core.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from kvferry.engine.sampling_params import SamplingParams
-from kvferry.engine.scheduler import Scheduler
-from kvferry.engine.scheduler_output import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 
 BLOCK_SIZE = 4
 EOS = 2

@@ -8,14 +8,14 @@ Block size 4, 16 blocks (block 0 is the null block).
 from collections.abc import Iterator
 
 import pytest
-
 from kvferry.engine.config import SchedulerConfig
-from kvferry.engine.kv_cache import KVCacheManager
-from kvferry.engine.messages import FinishReason
-from kvferry.engine.request import Request, RequestStatus
+from kvferry.engine.core.kv_cache import KVCacheManager
+from kvferry.engine.core.kv_connector import TransferFailure
+from kvferry.engine.core.messages import FinishReason
+from kvferry.engine.core.request import Request, RequestStatus
+from kvferry.engine.core.scheduler import Scheduler
+from kvferry.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvferry.engine.sampling_params import SamplingParams
-from kvferry.engine.scheduler import Scheduler
-from kvferry.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvferry.kvtransfer import (
     FailureReason,
     KVConnectorOutput,
@@ -24,7 +24,6 @@ from kvferry.kvtransfer import (
     KVTransferMetrics,
     KVTransferParams,
     ProducerEndpoint,
-    TransferFailure,
 )
 from kvferry.kvtransfer.lease import LeaseTable
 

@@ -14,9 +14,9 @@ import pytest
 import pytest_asyncio
 
 from kvferry import LLM, SamplingParams
-from kvferry.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
+from kvferry.engine.frontend.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from kvferry.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvferry.engine.messages import (
+from kvferry.engine.core.messages import (
     AddRequest,
     CoreFailed,
     CoreStepOutputs,
@@ -27,9 +27,9 @@ from kvferry.engine.messages import (
     FinishReason,
     SchedulerStats,
 )
-from kvferry.engine.outputs import RequestOutput
-from kvferry.engine.stats import IterationStats
-from kvferry.engine.tokenizer import Tokenizer
+from kvferry.engine.frontend.outputs import RequestOutput
+from kvferry.engine.frontend.stats import IterationStats
+from kvferry.engine.frontend.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -19,8 +19,8 @@ import msgspec
 import pytest
 import zmq
 
-from kvferry.engine.core_process import EngineCoreProc, FrontEndGone
-from kvferry.engine.messages import (
+from kvferry.engine.frontend.core_process import EngineCoreProc, FrontEndGone
+from kvferry.engine.core.messages import (
     AbortRequests,
     AddRequest,
     CoreInput,
@@ -33,7 +33,7 @@ from kvferry.engine.messages import (
     SchedulerStats,
     ShutdownCore,
 )
-from kvferry.engine.request import RequestStatus
+from kvferry.engine.core.request import RequestStatus
 from kvferry.engine.sampling_params import SamplingParams
 
 TIMEOUT_S = 10.0
@@ -241,7 +241,7 @@ def test_idle_loop_exits_when_the_front_end_is_gone() -> None:
 # ---------------------------------------------------------------------- the real process
 _FRONT_END = textwrap.dedent("""
     import asyncio, sys
-    from kvferry.engine.async_llm import AsyncLLM
+    from kvferry.engine.frontend.async_llm import AsyncLLM
     from kvferry.engine.config import CacheConfig, EngineConfig, ModelConfig
 
     async def main() -> None:

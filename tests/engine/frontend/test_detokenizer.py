@@ -3,7 +3,7 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kvferry.engine.detokenizer import IncrementalDetokenizer
+from kvferry.engine.frontend.detokenizer import IncrementalDetokenizer
 from kvferry.engine.sampling_params import SamplingParams
 
 CORPUS = [

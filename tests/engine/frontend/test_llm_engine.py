@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvferry import LLM, SamplingParams
-from kvferry.engine.llm_engine import LLMEngine
+from kvferry.engine.frontend.llm_engine import LLMEngine
 
 MAX_MODEL_LEN = 128
 

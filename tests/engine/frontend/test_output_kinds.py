@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvferry.engine.config import CacheConfig, EngineConfig, ModelConfig
-from kvferry.engine.llm_engine import LLMEngine, RequestOutputKind
-from kvferry.engine.outputs import RequestOutput
+from kvferry.engine.frontend.llm_engine import LLMEngine, RequestOutputKind
+from kvferry.engine.frontend.outputs import RequestOutput
 from kvferry.engine.sampling_params import SamplingParams
 
 PROMPT = {"prompt_token_ids": [5, 6, 7, 8]}

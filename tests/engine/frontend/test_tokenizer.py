@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvferry.engine.models.demo import CHAT_TEMPLATE, create_demo_checkpoint
-from kvferry.engine.tokenizer import Tokenizer
+from kvferry.engine.frontend.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world, this is kvferry!",

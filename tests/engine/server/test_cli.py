@@ -5,22 +5,18 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-
 from kvferry.engine.arg_utils import engine_config_from_args
-from kvferry.engine.cli import build_parser
-from kvferry.engine.kv_transfer_args import kv_transfer_config
-from kvferry.engine.serve_cli import check_supported, pod_environment, read_api_key
+from kvferry.engine.server.cli import check_supported, pod_environment, read_api_key
+from kvferry.kvtransfer.args import kv_transfer_config
 from kvferry.operator.render import render_children
 from kvferry.operator.spec import parse_spec
+from kvferry_testing.operator_factories import EXAMPLES, load_example, random_spec, service
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "operator"))
-from operator_factories import EXAMPLES, load_example, random_spec, service  # noqa: E402
-
+from kvferry.cli import build_parser
 
 # Per-step token budgets `kvferry serve` defaults to by role (README, --help).
 ROLE_BATCHED_TOKENS = {"both": 2048, "prefill": 8192, "decode": 512}

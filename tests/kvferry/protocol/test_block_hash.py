@@ -4,7 +4,7 @@ import hashlib
 
 import numpy as np
 
-from kvferry.engine.kv_cache.hashing import ROOT_HASH, hash_block_tokens, hash_request_blocks
+from kvferry.protocol.block_hash import ROOT_HASH, hash_block_tokens, hash_request_blocks
 
 BLOCK_SIZE = 4
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from operator_factories import ROOT
+from kvferry_testing.operator_factories import ROOT
 
 CHART = ROOT / "charts" / "kvferry"
 ALL_ON = ["--set", "redis.enabled=true", "--set", "redis.existingSecret=redis-auth",

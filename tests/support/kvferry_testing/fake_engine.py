@@ -1,6 +1,6 @@
 """A stand-in engine pod that answers at once, for measuring and testing the router alone.
 
-`python -m kvferry.router.fake_engine --port P [--role R --redis URL --service S]` serves
+`python -m kvferry_testing.fake_engine --port P [--role R --redis URL --service S]` serves
 /v1/completions and /v1/chat/completions (streamed or not) with a fixed three-token answer,
 registers in the pod registry like `kvferry serve`, and plays a prefill pod's part: given
 `kv_transfer_params: {"do_remote_decode": true}` it returns transfer params naming itself.
@@ -22,10 +22,11 @@ import os
 from typing import Any
 
 import uvicorn
-from kvferry.engine.kv_cache.hashing import hash_request_blocks
-from kvferry.engine.messages import SchedulerStats
+from kvferry.engine.core.messages import SchedulerStats
 from kvferry.engine.server.registry import PodRegistrar
 from starlette.types import Receive, Scope, Send
+
+from kvferry.protocol.block_hash import hash_request_blocks
 
 TOKENS = (" a", " b", " c")
 # Its 400, in the engine's shape, for the "invalid" behaviour.

@@ -24,7 +24,6 @@ import attrs
 import kmock
 import kopf
 import yaml
-
 from kvferry.operator import API_VERSION, KIND
 from kvferry.operator.kube import APPLY_CONTENT_TYPE, RESOURCES, KubeClient
 
@@ -200,7 +199,7 @@ class OperatorProcess:
         env.pop("KUBERNETES_SERVICE_HOST", None)
         with open(self.log_path, "ab") as log:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "kvferry.engine.cli", "operator", "--verbose", *self.extra_args,
+                sys.executable, "-m", "kvferry.cli", "operator", "--verbose", *self.extra_args,
                 env=env, stdout=log, stderr=log)
         return self
 

@@ -16,14 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kvferry.engine.core.kv_connector import FinishedTransfers, TransferFailure
 from kvferry.kvtransfer import (
-    FinishedTransfers,
     KVConnectorScheduler,
     KVConnectorWorker,
     KVTransferConfig,
     KVTransferMetrics,
     KVTransferParams,
-    TransferFailure,
 )
 
 PRODUCER_MAIN = Path(__file__).with_name("kvt_producer.py")
@@ -32,6 +31,11 @@ SMALL = {"num_blocks": 64, "num_layers": 2, "block_size": 4, "num_kv_heads": 2,
          "head_size": 16, "dtype": "float16", "seed": 1}
 # Seconds any single wait may take before the test fails instead of hanging.
 WAIT_S = 20.0
+
+
+def prompt(num_tokens: int) -> list[int]:
+    """A prompt of the tokens the producer's holds were computed for (see kvt_producer)."""
+    return [0] * num_tokens
 
 
 def block_bytes(cache: torch.Tensor, ids: list[int]) -> bytes:
@@ -121,7 +125,7 @@ class Consumer:
                    local_block_ids: list[list[int]], num_prompt_tokens: int) -> int:
         """Admits a request whose prompt KV is remote; returns the tokens it will pull."""
         self.scheduler.add_request(req_id, params)
-        num_external = self.scheduler.get_num_new_matched_tokens(params, num_prompt_tokens, 0)
+        num_external = self.scheduler.get_num_new_matched_tokens(params, prompt(num_prompt_tokens), 0)
         self.scheduler.update_state_after_alloc(req_id, params, local_block_ids, 0, num_external)
         return num_external
 

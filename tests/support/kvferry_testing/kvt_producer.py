@@ -30,6 +30,9 @@ from kvferry.kvtransfer import (
     KVTransferParams,
 )
 
+# The token every prompt of the transfer tests is made of.
+PROMPT_TOKEN = 0
+
 
 def fill_cache(spec: dict, group: int) -> torch.Tensor:
     """The producer's cache of one group: seeded random bytes, reproducible in the test."""
@@ -82,11 +85,14 @@ def handle(command: dict, scheduler: KVConnectorScheduler, worker: KVConnectorWo
     op = command["op"]
     if op == "hold":
         params = KVTransferParams.from_dict({"do_remote_decode": True})
+        # The held prompt is PROMPT_TOKEN repeated; consumers in the tests send the same.
+        prompt = [PROMPT_TOKEN] * command["num_tokens"]
         keep, out = scheduler.request_finished(
-            command["req_id"], params, command["block_ids"], command["num_tokens"], aborted=False
+            command["req_id"], params, command["block_ids"], prompt, command["num_tokens"],
+            aborted=False,
         )
         assert keep and out is not None
-        return {"params": out.to_dict()}
+        return {"params": out}
     if op == "status":
         stats = dataclasses.asdict(worker.metrics.snapshot())
         return {"ended": ended, "blocks_held": worker.leases.num_blocks_held,

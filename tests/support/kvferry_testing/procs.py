@@ -15,6 +15,17 @@ from pathlib import Path
 
 import httpx
 
+# The folder holding `kvferry_testing`: children find the fake engine (`python -m
+# kvferry_testing.fake_engine`) through it, as the tests do through pytest's pythonpath.
+SUPPORT_DIR = Path(__file__).resolve().parents[1]
+
+
+def support_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`os.environ` plus `env`, with the test-support folder on PYTHONPATH."""
+    merged = {**os.environ, **(env or {})}
+    merged["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SUPPORT_DIR), merged.get("PYTHONPATH")]))
+    return merged
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -30,7 +41,7 @@ class Proc:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+                                     env=support_env(env), start_new_session=True)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -82,7 +93,7 @@ def redis_server(tmp: Path) -> Iterator[str]:
 
 def fake_engine(tmp: Path, redis_url: str, service: str, role: str, name: str) -> Proc:
     port = free_port()
-    proc = Proc([sys.executable, "-m", "kvferry.router.fake_engine", "--port", str(port),
+    proc = Proc([sys.executable, "-m", "kvferry_testing.fake_engine", "--port", str(port),
                  "--role", role, "--redis", redis_url, "--service", service],
                 tmp / f"{name}.log", env={"KVFERRY_POD_NAME": name})
     proc.port = port  # type: ignore[attr-defined]
@@ -93,7 +104,7 @@ def fake_engine(tmp: Path, redis_url: str, service: str, role: str, name: str) -
 def router_process(tmp: Path, redis_url: str, service: str, *flags: str,
                    env: dict[str, str] | None = None) -> Proc:
     port = free_port()
-    proc = Proc([sys.executable, "-m", "kvferry.engine.cli", "router", "--service", service,
+    proc = Proc([sys.executable, "-m", "kvferry.cli", "router", "--service", service,
                  "--redis", redis_url, "--port", str(port), *flags], tmp / "router.log", env=env)
     proc.port = port  # type: ignore[attr-defined]
     wait_http(f"http://127.0.0.1:{port}/ping", proc, 30)

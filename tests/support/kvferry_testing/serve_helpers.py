@@ -88,7 +88,7 @@ class ServerProcess:
             self.proc.wait(timeout=10)
 
     def engine_pid(self) -> int:
-        """The engine-core process: the server's child running kvferry.engine.core_process."""
+        """The engine-core process: the server's child running kvferry.engine.frontend.core_process."""
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
                              text=True, check=False).stdout.split()
         for pid in out:
@@ -100,7 +100,7 @@ class ServerProcess:
 
 
 def serve_command(model: str, port: int, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "kvferry.engine.cli", "serve", "--model", model,
+    return [sys.executable, "-m", "kvferry.cli", "serve", "--model", model,
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
             "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), *flags]
 

@@ -1,9 +1,9 @@
 """BlockPool: the null block, the LRU free queue, reference counts and the prefix index."""
 
 import pytest
+from kvferry.engine.core.kv_cache.block_pool import BlockPool, KVCacheBlock
 
-from kvferry.engine.kv_cache.block_pool import BlockPool, KVCacheBlock
-from kvferry.engine.kv_cache.hashing import ROOT_HASH, hash_block_tokens
+from kvferry.protocol.block_hash import ROOT_HASH, hash_block_tokens
 
 
 def make_pool(num_blocks: int = 6, enable_caching: bool = True) -> BlockPool:

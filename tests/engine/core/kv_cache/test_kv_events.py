@@ -1,8 +1,9 @@
 """KV events: the block pool logs the hashes it starts and stops caching, exactly once."""
 
-from kvferry.engine.kv_cache.block_pool import BlockPool
-from kvferry.engine.kv_cache.hashing import ROOT_HASH, hash_block_tokens
-from kvferry.engine.kv_cache.kv_events import MAX_PENDING_EVENTS, KVEventLog
+from kvferry.engine.core.kv_cache.block_pool import BlockPool
+from kvferry.engine.core.kv_cache.kv_events import MAX_PENDING_EVENTS, KVEventLog
+
+from kvferry.protocol.block_hash import ROOT_HASH, hash_block_tokens
 
 
 def test_cached_blocks_are_logged_as_stored_and_evictions_as_evicted() -> None:

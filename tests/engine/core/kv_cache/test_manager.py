@@ -1,7 +1,7 @@
 """KVCacheManager: slot allocation, prefix-cache hits, freeing order and stats."""
 
-from kvferry.engine.kv_cache.manager import KVCacheManager
-from kvferry.engine.request import Request
+from kvferry.engine.core.kv_cache.manager import KVCacheManager
+from kvferry.engine.core.request import Request
 from kvferry.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
