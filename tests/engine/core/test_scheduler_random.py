@@ -32,11 +32,13 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 from kvferry.engine.config import SchedulerConfig
-from kvferry.engine.core.kv_cache import KVCacheManager, hash_request_blocks
+from kvferry.engine.core.kv_cache import KVCacheManager
 from kvferry.engine.core.request import Request, RequestStatus
 from kvferry.engine.core.scheduler import Scheduler
 from kvferry.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvferry.engine.sampling_params import SamplingParams
+
+from kvferry.protocol.block_hash import hash_request_blocks
 
 EOS = 2
 # Sampled ids come from a small range, so stop tokens are sampled now and then.
