@@ -135,7 +135,7 @@ class LocalService:
         self._seen: dict[int, int | None] = {}
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvferry.engine.cli", "up", "-f", str(path),
+            [sys.executable, "-m", "kvferry.cli", "up", "-f", str(path),
              "--port", str(self.port)],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
             start_new_session=True)

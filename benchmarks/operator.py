@@ -29,9 +29,9 @@ from kvferry.operator.kube import RESOURCES, USER_AGENT
 from kvferry.operator.render import render_children
 from kvferry.operator.spec import parse_spec
 
-# The API emulator wrapper is test tooling that lives with the end-to-end tests.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from kube_emulator import (  # noqa: E402
+# The API emulator wrapper is test tooling (tests/support), not part of the operator package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+from kvferry_testing.kube_emulator import (
     OperatorProcess,
     emulated_cluster,
     new_service,

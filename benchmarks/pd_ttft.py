@@ -43,7 +43,7 @@ class Server:
     def __init__(self, role: str, log_dir: Path) -> None:
         self.port = free_port()
         self.log = open(log_dir / f"{role}.log", "wb")  # noqa: SIM115 - closed in stop()
-        cmd = [sys.executable, "-m", "kvferry.engine.cli", "serve", "--model", "demo",
+        cmd = [sys.executable, "-m", "kvferry.cli", "serve", "--model", "demo",
                "--served-model-name", "demo", "--host", "127.0.0.1", "--port", str(self.port),
                "--role", role, "--max-model-len", "4096"]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,

@@ -27,8 +27,8 @@ from typing import Any
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "router"))
-from procs import Proc, free_port, fake_engine, redis_server, router_process, wait_http  # noqa: E402,E501
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+from kvferry_testing.procs import Proc, free_port, fake_engine, redis_server, router_process, wait_http  # noqa: E402,E501
 
 BODY = {"model": "fake", "prompt": "Hello", "max_tokens": 3, "stream": True}
 SERVICE = "bench"

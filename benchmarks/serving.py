@@ -90,7 +90,7 @@ def offline_tokens_per_s(model: str, engine_kwargs: dict[str, Any], workload: li
                          repeats: int) -> tuple[float, float]:
     """(output tokens/s, seconds) of LLM.generate on the workload: the best of `repeats`
     runs after a warm-up."""
-    from kvferry.engine.llm import LLM
+    from kvferry.engine.frontend.llm import LLM
     from kvferry.engine.sampling_params import SamplingParams
 
     llm = LLM(model=model, **engine_kwargs)
@@ -120,7 +120,7 @@ def free_port() -> int:
 
 
 def start_server(model: str, port: int, flags: list[str], log_path: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "kvferry.engine.cli", "serve", "--model", model,
+    command = [sys.executable, "-m", "kvferry.cli", "serve", "--model", model,
                "--host", "127.0.0.1", "--port", str(port), *flags]
     with open(log_path, "wb") as log:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
@@ -185,7 +185,7 @@ def _rates(text: str) -> list[float]:
 
 def build_workload(args: argparse.Namespace, model_dir: str) -> list[Request]:
     from kvferry.engine.models.source import resolve_model_source
-    from kvferry.engine.tokenizer import Tokenizer
+    from kvferry.engine.frontend.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(resolve_model_source(model_dir))
     if args.dataset is not None:

@@ -31,15 +31,15 @@ import numpy as np
 import torch
 
 from kvferry.engine.config import CacheConfig, SchedulerConfig
-from kvferry.engine.kv_cache import KVCacheManager
-from kvferry.engine.request import Request
+from kvferry.engine.core.kv_cache import KVCacheManager
+from kvferry.engine.core.request import Request
 from kvferry.engine.runner.input_batch import InputBatch
 from kvferry.engine.runner.model_runner import ModelRunner
 from kvferry.engine.runner.prepare_inputs import InputBuffers, PreparedInputs, prepare_inputs
 from kvferry.engine.sample.sampler import SamplerOutput
 from kvferry.engine.sampling_params import SamplingParams
-from kvferry.engine.scheduler import Scheduler
-from kvferry.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kvferry.engine.core.scheduler import Scheduler
+from kvferry.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 TARGET_MS = 1.0
 MAX_NUM_SEQS = 256

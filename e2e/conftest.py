@@ -8,14 +8,9 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-import sys
-
 import pytest
-
-# The emulator wrapper is test tooling beside these tests, not part of the operator package.
-sys.path.insert(0, str(Path(__file__).parent))
-
-from kube_emulator import OperatorProcess, emulated_cluster, write_kubeconfig  # noqa: E402
+from kvferry_testing.fixtures import redis_url  # noqa: F401 (fixture of test_up)
+from kvferry_testing.kube_emulator import OperatorProcess, emulated_cluster, write_kubeconfig
 
 TEST_TIMEOUT_SECONDS = 60
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kube_emulator import new_service, operator_writes, stored, wait_for
 from kvferry.operator.children import APPLIED_ANNOTATION
 from kvferry.operator.kube import APPLY_CONTENT_TYPE, FIELD_MANAGER, object_path
 from kvferry.operator.render_pod import CONFIG_CHECKSUM_ANNOTATION
+from kvferry_testing.kube_emulator import new_service, operator_writes, stored, wait_for
 
 NS = "default"
 BASE = {"model": {"source": "demo"}, "pools": {"decode": {}}}

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from kube_emulator import new_service, operator_writes, stored, wait_for
 from kvferry.operator.children import HANDOVER_MANAGER
 from kvferry.operator.kube import APPLY_CONTENT_TYPE, FIELD_MANAGER, ApiError, object_path
 from kvferry.operator.render import render_children
 from kvferry.operator.spec import parse_spec
+from kvferry_testing.kube_emulator import new_service, operator_writes, stored, wait_for
 
 NS = "default"
 DISAGGREGATED = {

@@ -16,9 +16,8 @@ from typing import Any
 
 import pytest
 import yaml
-
-from kube_emulator import Sent, new_service, operator_requests, stored, wait_for
 from kvferry.operator.kube import APPLY_CONTENT_TYPE, object_path
+from kvferry_testing.kube_emulator import Sent, new_service, operator_requests, stored, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 NS = "default"

@@ -14,14 +14,14 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
-    from kvferry.engine.llm import LLM
+    from kvferry.engine.frontend.llm import LLM
     from kvferry.engine.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so `import kvferry` (the operator, the CLI's --help) does not import torch.
     if name == "LLM":
-        from kvferry.engine.llm import LLM
+        from kvferry.engine.frontend.llm import LLM
 
         return LLM
     if name == "SamplingParams":

@@ -183,7 +183,7 @@ def pod_children(spec: InferenceServiceSpec, redis_url: str, env: dict[str, str]
                 # On a cluster each pod has its own address; here they share one, so each
                 # pod's KV transfer side channel gets a port of its own.
                 pod_env["KVFERRY_NIXL_PORT"] = str(free_port())
-            children.append(ChildSpec(name, [sys.executable, "-m", "kvferry.engine.cli",
+            children.append(ChildSpec(name, [sys.executable, "-m", "kvferry.cli",
                                              *pod_args[1:]], env=pod_env,
                                       stop_timeout_s=stop_timeout_s(spec)))
     return children
@@ -197,7 +197,7 @@ def _set_flag(args: list[str], flag: str, value: str) -> list[str]:
 
 def router_child(spec: InferenceServiceSpec, redis_url: str, host: str, port: int,
                  env: dict[str, str]) -> ChildSpec:
-    args = [sys.executable, "-m", "kvferry.engine.cli", "router", "--service", spec.name,
+    args = [sys.executable, "-m", "kvferry.cli", "router", "--service", spec.name,
             "--redis", redis_url, "--host", host, "--port", str(port)]
     if spec.model.source_scheme in ("demo", "hostpath"):
         # The weights are on this machine: the router tokenizes text prompts with their

@@ -1,23 +1,20 @@
-"""Moving KV blocks between engines: the connector the engine calls, NIXL underneath.
+"""Moving KV blocks between engines: the engine's KV connector interface
+(`kvferry.engine.core.kv_connector`) implemented over NIXL.
 
-    config = KVTransferConfig(model_id="llama-3-8b")
-    metrics = KVTransferMetrics()
-    worker = KVConnectorWorker(config, metrics)
-    endpoint = worker.register_kv_caches(runner.kv_cache)
-    scheduler = KVConnectorScheduler(config, block_size, endpoint, worker.leases, metrics)
+    connector = start_nixl_connector(KVTransferConfig(model_id="llama-3-8b"),
+                                     runner.kv_cache, block_size)
 
 See connector.py for the calls a scheduler makes, step by step.
 """
 
 from kvferry.kvtransfer.config import KVTransferConfig
 from kvferry.kvtransfer.connector import (
-    FinishedTransfers,
     KVConnectorMetadata,
     KVConnectorOutput,
     KVConnectorScheduler,
     ProducerEndpoint,
     PullSpec,
-    TransferFailure,
+    start_nixl_connector,
 )
 from kvferry.kvtransfer.metrics import FailureReason, KVTransferMetrics, KVTransferStats
 from kvferry.kvtransfer.params import KVTransferParams
@@ -25,7 +22,6 @@ from kvferry.kvtransfer.worker import KVConnectorWorker
 
 __all__ = [
     "FailureReason",
-    "FinishedTransfers",
     "KVConnectorMetadata",
     "KVConnectorOutput",
     "KVConnectorScheduler",
@@ -36,5 +32,5 @@ __all__ = [
     "KVTransferStats",
     "ProducerEndpoint",
     "PullSpec",
-    "TransferFailure",
+    "start_nixl_connector",
 ]

@@ -1,4 +1,5 @@
-"""The connector: the only part of the transfer layer the engine core calls.
+"""The NIXL connector: the engine's KV connector interface (`kvferry.engine.core.kv_connector`)
+implemented over NIXL, the only part of the transfer layer the engine core calls.
 
 Split like vLLM's `KVConnectorBase_V1`: a scheduler side that decides (which tokens of a
 new request arrive from a remote pod, which blocks a pull fills, which blocks a finished
@@ -31,15 +32,26 @@ cross-attention cache) are pulled whole.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from kvferry.kvtransfer.config import KVTransferConfig
+import torch
+from kvferry.engine.core.kv_connector import (
+    FinishedTransfers,
+    KVConnector,
+    KVConnectorSchedulerBase,
+    TransferFailure,
+)
+from kvferry.kvtransfer.config import FailurePolicy, KVTransferConfig
 from kvferry.kvtransfer.heartbeat import LeaseKeeper
 from kvferry.kvtransfer.lease import LeaseTable
 from kvferry.kvtransfer.metrics import FailureReason, KVTransferMetrics
-from kvferry.kvtransfer.params import BlockIdGroups, KVTransferParams
+from kvferry.kvtransfer.params import BlockIdGroups, KVTransferParams, prompt_hash
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -80,13 +92,6 @@ class KVConnectorMetadata:
     cancelled: list[str] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class TransferFailure:
-    reason: FailureReason
-    # For the log and the client: names the producer and what went wrong.
-    message: str
-
-
 @dataclass
 class KVConnectorOutput:
     """Worker -> scheduler, once per step."""
@@ -100,19 +105,7 @@ class KVConnectorOutput:
     finished_sends: list[str] = field(default_factory=list)
 
 
-@dataclass
-class FinishedTransfers:
-    """What the scheduler acts on after a step."""
-
-    # Waiting requests whose remote KV arrived.
-    ready: list[str] = field(default_factory=list)
-    # Waiting requests whose pull failed; their blocks stay allocated, their KV is garbage.
-    failed: dict[str, TransferFailure] = field(default_factory=dict)
-    # Finished requests whose blocks were kept for a transfer and may be freed now.
-    free: list[str] = field(default_factory=list)
-
-
-class KVConnectorScheduler:
+class KVConnectorScheduler(KVConnectorSchedulerBase):
     """The scheduler's side of the transfer layer."""
 
     def __init__(
@@ -139,6 +132,17 @@ class KVConnectorScheduler:
         # Pulls refused before reaching the worker, reported at the next get_finished.
         self._refused: dict[str, TransferFailure] = {}
 
+    @property
+    def failure_policy(self) -> FailurePolicy:
+        return self.config.failure_policy
+
+    def max_output_tokens(self, params: KVTransferParams | None) -> int | None:
+        """A prefill for a remote decode ends at its first token (vLLM's max_tokens 1)."""
+        return 1 if params is not None and params.do_remote_decode else None
+
+    def is_pull(self, params: KVTransferParams | None) -> bool:
+        return params is not None and params.do_remote_prefill
+
     # ------------------------------------------------------------------ consumer
     def add_request(self, req_id: str, params: KVTransferParams | None) -> None:
         """A request arrived; if its KV is remote, keep the producer's hold alive."""
@@ -148,16 +152,23 @@ class KVConnectorScheduler:
     def get_num_new_matched_tokens(
         self,
         params: KVTransferParams | None,
-        num_prompt_tokens: int,
+        prompt_token_ids: Sequence[int],
         num_computed_tokens: int,
-    ) -> int:
-        """Tokens past the local prefix hits whose KV a pull will bring (0: compute them).
+    ) -> int | None:
+        """Tokens past the local prefix hits whose KV a pull will bring (0: compute them;
+        None: the held blocks were computed for another prompt, so compute this one here).
 
         The last prompt token is never pulled: sampling the first output token needs its
         logits, so it is computed here, exactly like a full local prefix-cache hit.
         """
         if params is None or not params.do_remote_prefill:
             return 0
+        if not _same_prompt(prompt_token_ids, params):
+            logger.warning(
+                "its prompt differs from the one request %s held on %s computed; computing "
+                "it here", params.remote_request_id, params.remote_engine_id)
+            return None
+        num_prompt_tokens = len(prompt_token_ids)
         num_remote = min(params.kvferry_num_tokens or num_prompt_tokens, num_prompt_tokens - 1)
         return max(0, num_remote - num_computed_tokens)
 
@@ -282,12 +293,15 @@ class KVConnectorScheduler:
         req_id: str,
         params: KVTransferParams | None,
         block_ids: Sequence[Sequence[int]],
+        token_ids: Sequence[int],
         num_computed_tokens: int,
         aborted: bool,
-    ) -> tuple[bool, KVTransferParams | None]:
+    ) -> tuple[bool, dict[str, Any] | None]:
         """A request ended. Returns (keep its blocks, params to return to the client).
 
-        Kept blocks are freed when a later get_finished lists the request in `free`.
+        `token_ids`: the request's tokens (prompt and output); the params carry a hash of
+        the held ones, so a consumer can tell they were computed for its prompt. Kept
+        blocks are freed when a later get_finished lists the request in `free`.
         """
         if req_id in self._pulling:
             # A read may be writing into its blocks: keep them until the worker says it stopped.
@@ -299,7 +313,9 @@ class KVConnectorScheduler:
         if params is None or not params.do_remote_decode or aborted or num_computed_tokens < 1:
             return False, None
         held = self._hold(req_id, block_ids, num_computed_tokens)
-        return True, self._params_for_decode(req_id, held, num_computed_tokens)
+        out = replace(self._params_for_decode(req_id, held, num_computed_tokens),
+                      kvferry_prompt_hash=prompt_hash(token_ids[:num_computed_tokens]))
+        return True, out.to_dict()
 
     def _hold(
         self, req_id: str, block_ids: Sequence[Sequence[int]], num_computed_tokens: int
@@ -326,3 +342,25 @@ class KVConnectorScheduler:
 
     def shutdown(self) -> None:
         self._keeper.close()
+
+
+def _same_prompt(prompt_token_ids: Sequence[int], params: KVTransferParams) -> bool:
+    """Whether the held blocks were computed for this prompt (True if the producer does not
+    say: another implementation; the router is trusted then)."""
+    if params.kvferry_prompt_hash is None:
+        return True
+    held = prompt_token_ids[: params.kvferry_num_tokens]
+    return prompt_hash(held) == params.kvferry_prompt_hash
+
+
+def start_nixl_connector(
+    config: KVTransferConfig, kv_cache: torch.Tensor, block_size: int
+) -> KVConnector:
+    """Registers the cache with NIXL and opens the side channel (its port is bound now)."""
+    from kvferry.kvtransfer.worker import KVConnectorWorker
+
+    metrics = KVTransferMetrics()
+    worker = KVConnectorWorker(config, metrics)
+    endpoint = worker.register_kv_caches(kv_cache)
+    scheduler = KVConnectorScheduler(config, block_size, endpoint, worker.leases, metrics)
+    return KVConnector(scheduler, worker, metrics.snapshot)

@@ -21,8 +21,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+from kvferry.engine.core.kv_connector import TransferFailure
 from kvferry.kvtransfer.config import KVTransferConfig
-from kvferry.kvtransfer.connector import KVConnectorOutput, PullSpec, TransferFailure
+from kvferry.kvtransfer.connector import KVConnectorOutput, PullSpec
 from kvferry.kvtransfer.handshake import IncompatibleProducerError, RemoteEngine, RemoteEngines
 from kvferry.kvtransfer.layout import KVLayout, RegionInfo, block_runs
 from kvferry.kvtransfer.metrics import FailureReason, KVTransferMetrics

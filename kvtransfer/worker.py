@@ -19,6 +19,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 
+from kvferry.engine.core.kv_connector import KVConnectorWorkerBase
 from kvferry.kvtransfer.config import KVTransferConfig
 from kvferry.kvtransfer.connector import (
     KVConnectorMetadata,
@@ -42,7 +43,7 @@ BUSY_POLL_S = 0.001
 IDLE_POLL_S = 0.01
 
 
-class KVConnectorWorker:
+class KVConnectorWorker(KVConnectorWorkerBase):
     """Moves KV blocks for one engine, as producer and as consumer."""
 
     def __init__(self, config: KVTransferConfig, metrics: KVTransferMetrics) -> None:

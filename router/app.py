@@ -21,15 +21,16 @@ import aiohttp
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from kvferry.engine.server.errors import error_body, http_error_message
 from kvferry.router.config import RouterSettings
 from kvferry.router.flow import Answer, Router
 from kvferry.router.hops import TRANSPORT_ERRORS, HopError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvferry.protocol.errors import error_body, http_error_message
+
 if TYPE_CHECKING:
-    from kvferry.engine.tokenizer import Tokenizer
+    from kvferry.engine.frontend.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvferry.router")
 
@@ -266,7 +267,7 @@ def build_app(router: Router) -> Gate:
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     """Unknown paths (404) and methods (405) in OpenAI's error shape, as the engine answers."""
     assert isinstance(exc, StarletteHTTPException)
-    response = error_json(exc.status_code, http_error_message(exc))
+    response = error_json(exc.status_code, http_error_message(exc.status_code, exc.detail))
     response.headers.update(exc.headers or {})
     return response
 

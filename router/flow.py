@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
-from kvferry.engine.server.errors import error_body
 from kvferry.router.config import RouterSettings
 from kvferry.router.hops import (
     TRANSPORT_ERRORS,
@@ -38,8 +37,10 @@ from kvferry.router.pods import Pod, PodDirectory
 from kvferry.router.policies import Choice, Policy, PrefixAware, make_policy
 from kvferry.router.prefix_index import PrefixIndex, prompt_block_hashes
 
+from kvferry.protocol.errors import error_body
+
 if TYPE_CHECKING:
-    from kvferry.engine.tokenizer import Tokenizer
+    from kvferry.engine.frontend.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvferry.router")
 
@@ -411,8 +412,8 @@ def _local_token_ids(tokenizer: Tokenizer, endpoint: str, body: dict[str, Any]
 def load_tokenizer(source: str) -> Tokenizer:
     """The tokenizer of a checkpoint directory (or `demo`), as the engine loads it;
     ValueError says why it cannot be loaded."""
+    from kvferry.engine.frontend.tokenizer import Tokenizer
     from kvferry.engine.models.source import resolve_model_source
-    from kvferry.engine.tokenizer import Tokenizer
 
     try:
         return Tokenizer.from_pretrained(resolve_model_source(source))

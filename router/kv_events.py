@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import logging
 
-from kvferry.engine.server.registry import kv_events_key
 from kvferry.router.prefix_index import PrefixIndex
 from kvferry.router.redis_follower import RedisFollower
 
+from kvferry.protocol.kv_events import KVEventBatch, kv_events_key
+
 logger = logging.getLogger("kvferry.router.kv_events")
 
-HASH_BYTES = 32  # sha256, as engine/kv_cache/hashing.py makes them
 BLOCK_MS = 200  # XREAD's wait for new entries
-
-
-def split_hashes(joined: bytes) -> list[bytes]:
-    return [joined[i:i + HASH_BYTES] for i in range(0, len(joined), HASH_BYTES)]
 
 
 class KVEventReader(RedisFollower):
@@ -37,12 +33,15 @@ class KVEventReader(RedisFollower):
         self._instances: dict[str, bytes] = {}
 
     def apply(self, fields: dict[bytes, bytes]) -> None:
-        pod = fields[b"pod"].decode()
-        instance = fields.get(b"instance")
-        if instance is not None:  # engines from before instance ids send none
-            self._follow_instance(pod, instance)
-        self._index.evicted(pod, split_hashes(fields.get(b"evicted", b"")))
-        self._index.stored(pod, split_hashes(fields.get(b"stored", b"")))
+        try:
+            batch = KVEventBatch.from_fields(fields)
+        except ValueError as exc:
+            logger.warning("KV events: skipping an entry: %s", exc)
+            return
+        if batch.instance is not None:  # engines from before instance ids send none
+            self._follow_instance(batch.pod, batch.instance)
+        self._index.evicted(batch.pod, batch.evicted)
+        self._index.stored(batch.pod, batch.stored)
         self.num_events += 1
 
     def _follow_instance(self, pod: str, instance: bytes) -> None:

@@ -12,8 +12,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvferry.engine.server.registry import PodRecord, pod_key_prefix
 from kvferry.router.redis_follower import RedisFollower
+
+from kvferry.protocol.registry import PodRecord, pod_key_prefix
 
 logger = logging.getLogger("kvferry.router.pods")
 

@@ -1,7 +1,7 @@
 """Which pod holds which prompt prefix: block hash -> pods, for prefix-aware routing.
 
 Prompts are hashed block by block with the engine's own function
-(`kvferry.engine.kv_cache.hashing.hash_request_blocks`), so a hash here equals the hash
+(`kvferry.protocol.block_hash.hash_request_blocks`), so a hash here equals the hash
 the pod's block pool stores. The index is fed by the router's own placements (the pod a
 prompt went to computes and caches its full blocks) and by KV events the engines publish
 (`stored` and `evicted` hashes); entries age out so a pod's evictions the router never
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from kvferry.engine.kv_cache.hashing import BlockHash, hash_request_blocks
+from kvferry.protocol.block_hash import BlockHash, hash_request_blocks
 
 # An entry not refreshed for this long is dropped (the pod has likely evicted it).
 ENTRY_TTL_S = 600.0

@@ -11,10 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
-
 from kvferry.engine.attention.backend import AttentionBackend, AttentionMetadata, KVCacheView
 from kvferry.engine.attention.cpu_kernels import paged_decode_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 # Decodes are grouped by length so each group pads only to its own longest sequence;
 # groups of fewer rows than this are not worth another call.

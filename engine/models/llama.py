@@ -13,8 +13,6 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from kvferry.engine.attention.backend import AttentionBackend, AttentionMetadata, KVCacheView
 from kvferry.engine.layers.activation import silu_and_mul
 from kvferry.engine.layers.embedding import VocabEmbedding
@@ -22,6 +20,7 @@ from kvferry.engine.layers.linear import Linear
 from kvferry.engine.layers.rmsnorm import RMSNorm
 from kvferry.engine.layers.rotary import RotaryEmbedding, apply_rotary_emb
 from kvferry.engine.models.config import ModelArchConfig
+from torch import nn
 
 
 class LlamaAttention(nn.Module):

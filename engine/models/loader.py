@@ -14,12 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
-
 from kvferry.engine.attention.backend import AttentionBackend
 from kvferry.engine.layers.linear import Linear, prepack_linear_weights
 from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.models.registry import get_model_class
+from torch import nn
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

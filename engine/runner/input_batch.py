@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
 from kvferry.engine.runner.buffers import CpuGpuBuffer
 from kvferry.engine.sampling_params import SamplingParams
 

@@ -8,9 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from kvferry.engine.attention import AttentionMetadata, KVCacheView, get_attention_backend
 from kvferry.engine.config import CacheConfig
+from kvferry.engine.core.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.models.loader import load_model
 from kvferry.engine.runner.cpu_malloc import keep_activation_memory
@@ -18,11 +22,6 @@ from kvferry.engine.runner.input_batch import CachedRequestState, InputBatch
 from kvferry.engine.runner.prepare_inputs import InputBuffers, PreparedInputs, prepare_inputs
 from kvferry.engine.sample.metadata import SamplingMetadata
 from kvferry.engine.sample.sampler import Sampler, SamplerOutput
-from kvferry.engine.scheduler_output import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    SchedulerOutput,
-)
 from kvferry.kvtransfer.memory import allocate_kv_cache
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
 from kvferry.engine.sampling_params import SamplingParams
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from kvferry.engine.sample.filters import apply_min_p, apply_top_k_top_p
 from kvferry.engine.sample.metadata import SamplingMetadata
 from kvferry.engine.sample.penalties import apply_penalties, block_tokens

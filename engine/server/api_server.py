@@ -18,12 +18,15 @@ from importlib import metadata
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
 from kvferry.engine.config import EngineConfig
 from kvferry.engine.server.chat import chat_prompt, create_chat_completion
 from kvferry.engine.server.completions import create_completion
-from kvferry.engine.server.errors import ApiError, bad_request, error_response, install_error_handlers
+from kvferry.engine.server.errors import (
+    ApiError,
+    bad_request,
+    error_response,
+    install_error_handlers,
+)
 from kvferry.engine.server.metrics import PROMETHEUS_CONTENT_TYPE
 from kvferry.engine.server.protocol import (
     ChatCompletionRequest,
@@ -38,6 +41,7 @@ from kvferry.engine.server.protocol import (
 )
 from kvferry.engine.server.serving import check_model
 from kvferry.engine.server.state import ServerSettings, ServerState
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = ["ServerSettings", "ServerState", "build_app", "serve"]
 

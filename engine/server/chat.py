@@ -10,13 +10,12 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-
-from kvferry.engine.async_llm import AsyncLLM
-from kvferry.engine.input_processor import ProcessedPrompt
-from kvferry.engine.outputs import Logprob
+from kvferry.engine.frontend.async_llm import AsyncLLM
+from kvferry.engine.frontend.input_processor import ProcessedPrompt
+from kvferry.engine.frontend.outputs import Logprob
 from kvferry.engine.sampling_params import SamplingParams
 from kvferry.engine.server.chat_template import render_chat
-from kvferry.engine.server.errors import ApiError, error_body
+from kvferry.engine.server.errors import ApiError
 from kvferry.engine.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -39,14 +38,16 @@ from kvferry.engine.server.serving import (
     abort_on_disconnect,
     check_model,
     check_queue_room,
-    check_text_fits,
     check_request_fits,
+    check_text_fits,
     engine_error,
     process_prompt,
     sse,
     stream_outputs,
 )
 from kvferry.engine.server.state import ServerState
+
+from kvferry.protocol.errors import error_body
 
 
 @dataclass

@@ -9,12 +9,11 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-
-from kvferry.engine.async_llm import AsyncLLM
-from kvferry.engine.input_processor import ProcessedPrompt
-from kvferry.engine.outputs import Logprob
+from kvferry.engine.frontend.async_llm import AsyncLLM
+from kvferry.engine.frontend.input_processor import ProcessedPrompt
+from kvferry.engine.frontend.outputs import Logprob
 from kvferry.engine.sampling_params import SamplingParams
-from kvferry.engine.server.errors import ApiError, error_body
+from kvferry.engine.server.errors import ApiError
 from kvferry.engine.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -31,8 +30,8 @@ from kvferry.engine.server.serving import (
     abort_on_disconnect,
     check_model,
     check_queue_room,
-    check_text_fits,
     check_request_fits,
+    check_text_fits,
     engine_error,
     process_prompt,
     sse,
@@ -40,6 +39,8 @@ from kvferry.engine.server.serving import (
     sub_request_ids,
 )
 from kvferry.engine.server.state import ServerState
+
+from kvferry.protocol.errors import error_body
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+"""Errors in OpenAI's shape (`kvferry.protocol.errors`), raised and answered by the server.
 
 Every failure the server answers goes through `ApiError` or one of the handlers that
 `install_error_handlers` registers, so a client always gets this body and invalid input
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,22 +17,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvferry.protocol.errors import error_body, http_error_message
+
 logger = logging.getLogger(__name__)
 # The per-request log lines (one per request, served or refused).
 request_logger = logging.getLogger("kvferry.engine.server.requests")
-
-# HTTP status -> OpenAI error `type`.
-ERROR_TYPES: dict[int, str] = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "internal_error",
-    503: "service_unavailable_error",
-}
-
 
 class ApiError(Exception):
     """An error answered to the client with `status` and an OpenAI error body."""
@@ -58,14 +46,6 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 def unavailable(message: str) -> ApiError:
     """503: the server cannot take requests now (loading, draining or engine dead)."""
     return ApiError(503, message, code="service_unavailable")
-
-
-def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    """The JSON body of an error response."""
-    error_type = ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else "internal_error")
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def error_response(
@@ -134,19 +114,9 @@ async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse
     return error_response(400, message, param)
 
 
-def http_error_message(exc: StarletteHTTPException) -> str:
-    """What an unknown path or method error says: its detail, else its status's phrase."""
-    if isinstance(exc.detail, str):
-        return exc.detail
-    try:
-        return HTTPStatus(exc.status_code).phrase
-    except ValueError:
-        return "error"
-
-
 async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return error_response(exc.status_code, http_error_message(exc))
+    return error_response(exc.status_code, http_error_message(exc.status_code, exc.detail))
 
 
 async def _on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:

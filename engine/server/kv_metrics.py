@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from itertools import accumulate
 
+from kvferry.kvtransfer.metrics import PULL_SECONDS_BUCKETS, FailureReason, KVTransferStats
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -18,8 +19,6 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-
-from kvferry.kvtransfer.metrics import PULL_SECONDS_BUCKETS, FailureReason, KVTransferStats
 
 
 class KVTransferCollector(Collector):

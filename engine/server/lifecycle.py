@@ -21,14 +21,13 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
-from starlette.types import ASGIApp
-
 from kvferry.engine.config import EngineConfig
 from kvferry.engine.server.chat_template import compile_template, load_chat_template
 from kvferry.engine.server.state import Phase, ServerSettings, ServerState
+from starlette.types import ASGIApp
 
 if TYPE_CHECKING:
-    from kvferry.engine.async_llm import AsyncLLM
+    from kvferry.engine.frontend.async_llm import AsyncLLM
     from kvferry.engine.server.registry import PodRegistrar
 
 logger = logging.getLogger("kvferry.engine.server")
@@ -72,7 +71,7 @@ class Lifecycle:
 
     # ---------------------------------------------------------------- loading
     async def load_engine(self) -> None:
-        from kvferry.engine.async_llm import AsyncLLM, EngineDeadError
+        from kvferry.engine.frontend.async_llm import AsyncLLM, EngineDeadError
         from kvferry.engine.server.metrics import EngineMetrics
 
         state = self.state

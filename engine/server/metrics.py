@@ -11,15 +11,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
-
 from kvferry.engine.server.kv_metrics import KVTransferCollector
 from kvferry.kvtransfer.metrics import KVTransferStats
+from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from kvferry.engine.messages import SchedulerStats
-    from kvferry.engine.stats import IterationStats
+    from kvferry.engine.core.messages import SchedulerStats
+    from kvferry.engine.frontend.stats import IterationStats
 
 __all__ = ["PROMETHEUS_CONTENT_TYPE", "EngineMetrics"]
 

@@ -13,6 +13,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
+from kvferry.engine.sampling_params import SamplingParams
+from kvferry.engine.server.errors import bad_request
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -21,9 +23,6 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
-
-from kvferry.engine.sampling_params import SamplingParams
-from kvferry.engine.server.errors import bad_request
 
 # Integers cross to the engine core as msgpack, which holds 64 bits.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]

@@ -1,77 +1,29 @@
-"""The pod registry: an engine pod announces itself and its load in Redis for the router.
-
-Each pod owns one key, `kvferry:<service>:pod:<pod>`, holding a JSON `PodRecord`. The key
-has a short TTL that the pod refreshes, so a pod that dies without a word disappears from
-the router's view within one TTL; a pod that stops cleanly deletes its key at once.
-"""
+"""An engine pod's side of the pod registry: it keeps its `PodRecord` and its KV events in
+Redis while it serves (the key layout and record are `kvferry.protocol.registry`'s)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import socket
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+from kvferry.engine.core.messages import SchedulerStats
 from redis.exceptions import RedisError
 
-from kvferry.engine.messages import SchedulerStats
+from kvferry.protocol.kv_events import EVENT_STREAM_MAXLEN, KVEventBatch, kv_events_key
+from kvferry.protocol.registry import REGISTRY_TTL_S, PodRecord, pod_key_prefix
 
 logger = logging.getLogger("kvferry.engine.server.registry")
 
-# A pod missing for this long is gone; it refreshes several times per TTL so that one slow
-# refresh (a busy event loop) does not drop it.
-REGISTRY_TTL_S = 3.0
+# Several refreshes per TTL, so that one slow refresh (a busy event loop) does not drop it.
 REFRESH_INTERVAL_S = 0.5
 # KV events go out this often (batched), so the router's prefix index lags by about this.
 EVENT_FLUSH_S = 0.1
-# The KV event stream keeps about this many batches (a router starting late replays them).
-EVENT_STREAM_MAXLEN = 100_000
-
-
-def pod_key_prefix(service: str) -> str:
-    """Keys of every pod of `service` start with this."""
-    return f"kvferry:{service}:pod:"
-
-
-def kv_events_key(service: str) -> str:
-    """The Redis stream of the service's KV events: entries {pod, instance, evicted, stored},
-    each hash list being the 32-byte hashes concatenated. `instance` names the engine process
-    that published the entry; each process's first entry holds no hashes and says that this
-    pod's prefix cache starts empty (a pod restarted under the same name lost its blocks)."""
-    return f"kvferry:{service}:kv_events"
-
-
-@dataclass(frozen=True)
-class PodRecord:
-    """What the router knows of one engine pod (the JSON value of its registry key)."""
-
-    pod: str  # unique name of the pod (its hostname in Kubernetes)
-    service: str  # the InferenceService it serves
-    role: str  # both | prefill | decode | encoder
-    model: str  # the served model name clients send
-    url: str  # base URL of its OpenAI server, e.g. http://10.0.0.7:8000
-    block_size: int  # tokens per KV block (the router hashes prompts with it)
-    num_running: int  # requests the scheduler runs now
-    num_waiting: int  # requests queued for the scheduler
-    kv_cache_usage: float  # fraction of KV blocks in use, 0.0 - 1.0
-    updated_at: float  # time.time() of this record
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, raw: str | bytes) -> PodRecord:
-        """Parses a registry value; ValueError when it is not a pod record."""
-        try:
-            fields = json.loads(raw)
-            return cls(**fields)
-        except (TypeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"not a pod record: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -145,8 +97,8 @@ class PodRegistrar:
         key = kv_events_key(self.settings.service)
         async with self._redis.pipeline(transaction=False) as pipe:
             for evicted, stored in batches:
-                pipe.xadd(key, {"pod": self.settings.pod, "instance": self.instance_id,
-                                "evicted": b"".join(evicted), "stored": b"".join(stored)},
+                batch = KVEventBatch(self.settings.pod, self.instance_id.encode(), evicted, stored)
+                pipe.xadd(key, batch.to_fields(),  # type: ignore[arg-type]
                           maxlen=EVENT_STREAM_MAXLEN, approximate=True)
             await pipe.execute()
 

@@ -6,18 +6,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from starlette.types import Receive
-
-from kvferry.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
-from kvferry.engine.input_processor import ProcessedPrompt, PromptType
-from kvferry.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kvferry.engine.frontend.async_llm import AsyncLLM, EngineDeadError, QueueFullError
+from kvferry.engine.frontend.input_processor import ProcessedPrompt, PromptType
+from kvferry.engine.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from kvferry.engine.sampling_params import SamplingParams
 from kvferry.engine.server.errors import ApiError, bad_request, request_logger, unavailable
 from kvferry.engine.server.protocol import param_of_message
+from starlette.types import Receive
 
 logger = request_logger
 

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 if TYPE_CHECKING:
-    from kvferry.engine.async_llm import AsyncLLM
-    from kvferry.engine.server.registry import RegistrationSettings
+    from kvferry.engine.frontend.async_llm import AsyncLLM
     from kvferry.engine.server.metrics import EngineMetrics
+    from kvferry.engine.server.registry import RegistrationSettings
 
 
 @dataclass(frozen=True)

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from kvt_harness import SMALL, Consumer, Producer, make_consumer_on
+from kvferry_testing.kvt_harness import SMALL, Consumer, Producer, make_consumer_on
 
 # Children inherit this; UCX logs a line per refused connection otherwise.
 os.environ.setdefault("UCX_LOG_LEVEL", "fatal")

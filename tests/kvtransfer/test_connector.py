@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import pytest
+from kvferry.engine.core.kv_connector import TransferFailure
 from kvferry.kvtransfer import (
     FailureReason,
     KVConnectorOutput,
@@ -16,13 +17,14 @@ from kvferry.kvtransfer import (
     KVTransferParams,
     ProducerEndpoint,
     PullSpec,
-    TransferFailure,
 )
 from kvferry.kvtransfer.lease import LeaseTable
+from kvferry.kvtransfer.params import prompt_hash
 from kvferry.kvtransfer.side_channel import SideChannelServer
-from test_side_channel import handshake_info
+from kvferry_testing.handshakes import handshake_info
 
 BLOCK = 16
+TOKEN = 7  # a prompt token id (the params these tests build carry no prompt hash)
 
 
 @dataclass
@@ -65,9 +67,9 @@ def wait_until(condition, timeout: float = 5.0) -> None:
 
 
 def test_local_requests_match_nothing(setup: Setup) -> None:
-    assert setup.scheduler.get_num_new_matched_tokens(None, 40, 0) == 0
+    assert setup.scheduler.get_num_new_matched_tokens(None, [TOKEN] * 40, 0) == 0
     assert setup.scheduler.get_num_new_matched_tokens(KVTransferParams(do_remote_decode=True),
-                                                      40, 0) == 0
+                                                      [TOKEN] * 40, 0) == 0
 
 
 @pytest.mark.parametrize(
@@ -84,7 +86,8 @@ def test_matched_tokens_are_the_remote_ones_past_local_hits(
     setup: Setup, num_prompt: int, num_remote: int, num_computed: int, expected: int
 ) -> None:
     params = remote_params(setup.port, [1, 2, 3], num_remote)
-    assert setup.scheduler.get_num_new_matched_tokens(params, num_prompt, num_computed) == expected
+    prompt = [TOKEN] * num_prompt
+    assert setup.scheduler.get_num_new_matched_tokens(params, prompt, num_computed) == expected
 
 
 def test_a_pull_pairs_the_blocks_past_the_local_hits(setup: Setup) -> None:
@@ -145,7 +148,7 @@ def test_worker_reports_become_scheduler_actions(setup: Setup) -> None:
         setup.scheduler.add_request(req_id, params)
         setup.scheduler.update_state_after_alloc(req_id, params, [[21]], 0, BLOCK - 1)
     # "gone" is aborted by its client while its pull runs: its blocks wait for the worker.
-    keep, _ = setup.scheduler.request_finished("gone", None, [[21]], 0, aborted=True)
+    keep, _ = setup.scheduler.request_finished("gone", None, [[21]], [TOKEN], 0, aborted=True)
     assert keep
     assert setup.scheduler.build_connector_meta().cancelled == ["gone"]
 
@@ -181,24 +184,28 @@ def test_a_prefill_for_remote_decode_holds_its_blocks_and_returns_params(setup: 
     scheduler = setup.scheduler
     params = KVTransferParams(do_remote_decode=True)
 
-    keep, out = scheduler.request_finished("p", params, [[5, 6, 7, 8]], 3 * BLOCK + 1,
+    tokens = list(range(3 * BLOCK + 2))  # the prompt and the sampled token
+    keep, out = scheduler.request_finished("p", params, [[5, 6, 7, 8]], tokens, 3 * BLOCK + 1,
                                            aborted=False)
 
     assert keep
-    assert out is not None and out.to_dict() == {
+    assert out == {
         "do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": "decode-0",
         "remote_host": "10.0.0.9", "remote_port": 7000, "remote_block_ids": [5, 6, 7, 8],
         "remote_request_id": "p", "kvferry_agent_name": "agent-d",
         "kvferry_num_tokens": 3 * BLOCK + 1, "kvferry_lease_s": 30.0,
         "kvferry_protocol_version": 2,
+        # Of the tokens whose KV the blocks hold: the prompt, not the sampled token.
+        "kvferry_prompt_hash": prompt_hash(tokens[:3 * BLOCK + 1]),
     }
     assert scheduler._leases.num_blocks_held == 4
 
 
 def test_only_blocks_with_computed_tokens_are_held(setup: Setup) -> None:
     params = KVTransferParams(do_remote_decode=True)
-    _, out = setup.scheduler.request_finished("p", params, [[5, 6, 7]], 2 * BLOCK, False)
-    assert out is not None and out.remote_block_ids == ((5, 6),)
+    _, out = setup.scheduler.request_finished("p", params, [[5, 6, 7]], [TOKEN] * 2 * BLOCK,
+                                              2 * BLOCK, False)
+    assert out is not None and out["remote_block_ids"] == [5, 6]
 
 
 @pytest.mark.parametrize(
@@ -208,5 +215,6 @@ def test_only_blocks_with_computed_tokens_are_held(setup: Setup) -> None:
 def test_other_finished_requests_free_their_blocks(
     setup: Setup, params: KVTransferParams | None, aborted: bool
 ) -> None:
-    assert setup.scheduler.request_finished("p", params, [[5]], BLOCK, aborted) == (False, None)
+    assert setup.scheduler.request_finished("p", params, [[5]], [TOKEN] * BLOCK, BLOCK,
+                                            aborted) == (False, None)
     assert setup.scheduler._leases.num_blocks_held == 0

@@ -7,28 +7,16 @@ from collections.abc import Iterator
 
 import pytest
 from kvferry.kvtransfer.handshake import IncompatibleProducerError, LocalIdentity, check_compatible
-from kvferry.kvtransfer.layout import KVLayout, RegionInfo, compatibility_hash
+from kvferry.kvtransfer.layout import KVLayout, compatibility_hash
 from kvferry.kvtransfer.lease import LeaseTable
 from kvferry.kvtransfer.metrics import KVTransferMetrics
-from kvferry.kvtransfer.params import TRANSFER_PROTOCOL_VERSION
 from kvferry.kvtransfer.side_channel import (
     HandshakeInfo,
     SideChannelClient,
     SideChannelError,
     SideChannelServer,
 )
-
-LAYOUT = KVLayout(block_size=4, num_layers=2, num_kv_heads=2, head_size=16, dtype="float16",
-                  element_size=2)
-
-
-def handshake_info(model_id: str = "m", layout: KVLayout = LAYOUT) -> HandshakeInfo:
-    return HandshakeInfo(
-        protocol_version=TRANSFER_PROTOCOL_VERSION, engine_id="e1", agent_name="agent-1",
-        agent_metadata=b"\x00nixl", model_id=model_id, layouts=[layout],
-        regions=[RegionInfo(base_addr=4096, num_blocks=64, device_id=0, mem_type="DRAM")],
-        compat_hash=compatibility_hash(model_id, [layout]), lease_s=30.0,
-    )
+from kvferry_testing.handshakes import LAYOUT, handshake_info
 
 
 @pytest.fixture

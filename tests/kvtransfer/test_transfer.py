@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from kvferry.kvtransfer import FailureReason
 from kvferry.kvtransfer.layout import block_runs
-from kvt_harness import SMALL, Consumer, Producer, block_bytes
-from kvt_producer import fill_cache
+from kvferry_testing.kvt_harness import SMALL, Consumer, Producer, block_bytes, prompt
+from kvferry_testing.kvt_producer import fill_cache
 
 
 def random_block_ids(rng: np.random.Generator, count: int, num_blocks: int) -> list[int]:
@@ -145,7 +145,7 @@ def test_heartbeats_extend_the_lease_of_a_waiting_request(producers, make_consum
     assert producer.call("status")["blocks_held"] == 2
 
     # It is cancelled while queued: the consumer frees the hold at once.
-    keep, _ = consumer.scheduler.request_finished("d", params, [], 0, aborted=True)
+    keep, _ = consumer.scheduler.request_finished("d", params, [], prompt(8), 0, aborted=True)
     assert not keep
     status = producer.wait_ended("p", timeout=5)
     assert status["stats"]["lease_expirations"] == 0
@@ -224,7 +224,7 @@ def test_a_hold_claimed_by_one_consumer_is_refused_to_another(producers, make_co
     status = producer.call("status")
     assert (status["blocks_held"], status["ended"]) == (3, [])
     # The first pod pulls as usual, and its notification ends the hold.
-    num_external = first.scheduler.get_num_new_matched_tokens(params, 12, 0)
+    num_external = first.scheduler.get_num_new_matched_tokens(params, prompt(12), 0)
     first.scheduler.update_state_after_alloc("d1", params, [[7, 8, 9]], 0, num_external)
     assert first.wait("d1") is None
     assert block_bytes(first.caches[0], [7, 8, 9]) == block_bytes(fill_cache(SMALL, 0), [3, 4, 5])
@@ -278,7 +278,8 @@ def test_a_request_finished_during_its_pull_keeps_its_blocks_until_the_read_is_o
     params = producer.hold("p", [[3, 4]], 8)
     consumer.start_pull("d", params, [[5, 6]], 8)
 
-    keep, returned = consumer.scheduler.request_finished("d", params, [[5, 6]], 0, aborted=True)
+    keep, returned = consumer.scheduler.request_finished("d", params, [[5, 6]], prompt(8), 0,
+                                                          aborted=True)
 
     assert keep and returned is None
     deadline = time.monotonic() + 20
@@ -296,7 +297,8 @@ def test_prefix_hits_on_the_consumer_shorten_the_pull(producers, make_consumer) 
     params = producer.hold("p", [[10, 11, 12, 13]], 4 * block)
     # The first two blocks are prefix hits here (local blocks 20, 21 already hold them).
     consumer.scheduler.add_request("d", params)
-    num_external = consumer.scheduler.get_num_new_matched_tokens(params, 4 * block, 2 * block)
+    num_external = consumer.scheduler.get_num_new_matched_tokens(params, prompt(4 * block),
+                                                                 2 * block)
     assert num_external == 2 * block - 1
     consumer.scheduler.update_state_after_alloc("d", params, [[20, 21, 22, 23]], 2 * block,
                                                 num_external)

@@ -1,13 +1,7 @@
-"""Makes the operator tests' helper modules importable, and shares the helm fixture."""
-
-import sys
-from pathlib import Path
+"""The operator tests' shared helm fixture."""
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from chart import helm_binary  # noqa: E402
+from kvferry_testing.chart import helm_binary
 
 
 @pytest.fixture(scope="session")

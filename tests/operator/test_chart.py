@@ -8,9 +8,9 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
-from chart import ALL_ON, CHART, rendered, run_helm
+from kvferry_testing.chart import ALL_ON, CHART, rendered, run_helm
 from kvferry.operator.schema import load_crd
-from operator_factories import ROOT
+from kvferry_testing.operator_factories import ROOT
 
 
 def test_helm_lint_passes(helm: str) -> None:

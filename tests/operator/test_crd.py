@@ -8,7 +8,7 @@ import kubernetes_validate
 import yaml
 
 from kvferry.operator.schema import crd_path, load_crd, object_schema
-from operator_factories import ROOT
+from kvferry_testing.operator_factories import ROOT
 
 
 def structural_errors(schema: dict[str, Any], path: str = "") -> list[str]:

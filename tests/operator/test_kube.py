@@ -17,8 +17,8 @@ from kvferry.operator.children import HANDOVER_MANAGER
 from kvferry.operator.kube import KubeClient
 from kvferry.operator.reconcile import desired_children
 from kvferry.operator.spec import parse_spec
-from operator_factories import EXAMPLES, load_example, random_spec, service
-from stored_form import stored_form_problems
+from kvferry_testing.operator_factories import EXAMPLES, load_example, random_spec, service
+from kvferry_testing.stored_form import stored_form_problems
 
 
 @dataclass

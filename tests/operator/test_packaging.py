@@ -8,7 +8,7 @@ import sys
 import tomllib
 
 import kvferry.operator
-from operator_factories import ROOT
+from kvferry_testing.operator_factories import ROOT
 
 RUNTIME_MODULES = [f"kvferry.operator.{m.name}" for m in pkgutil.iter_modules(kvferry.operator.__path__)]
 TEST_TOOLING = ("kmock", "kubernetes_validate")
@@ -24,7 +24,7 @@ def test_runtime_imports_neither_torch_nor_test_tooling() -> None:
 
 def test_emulator_wrapper_lives_with_the_tests() -> None:
     assert "kvferry.operator.emulator" not in RUNTIME_MODULES
-    assert (ROOT / "e2e" / "kube_emulator.py").exists()
+    assert (ROOT / "tests" / "support" / "kvferry_testing" / "kube_emulator.py").exists()
 
 
 def test_test_tooling_is_only_in_the_test_extra() -> None:

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from chart import ALL_ON, rendered
+from kvferry_testing.chart import ALL_ON, rendered
 from kvferry.operator.render import render_children
 from kvferry.operator.spec import parse_spec
-from operator_factories import EXAMPLES, load_example, minimal, random_spec, service
-from pod_security import restricted_violations
+from kvferry_testing.operator_factories import EXAMPLES, load_example, minimal, random_spec, service
+from kvferry_testing.pod_security import restricted_violations
 
 SPECS = [load_example(p) for p in EXAMPLES] + [
     service(random_spec(random.Random(seed)), name=f"svc{seed}") for seed in range(24)]

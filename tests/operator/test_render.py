@@ -10,7 +10,7 @@ import pytest
 
 from kvferry.operator.render import render_children
 from kvferry.operator.spec import parse_spec
-from operator_factories import EXAMPLES, load_example, minimal, random_spec, service
+from kvferry_testing.operator_factories import EXAMPLES, load_example, minimal, random_spec, service
 
 K8S_VERSION = "1.30"
 

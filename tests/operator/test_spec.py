@@ -9,7 +9,7 @@ import pytest
 
 from kvferry.operator.schema import admit, cel_errors
 from kvferry.operator.spec import SpecError, parse_spec
-from operator_factories import EXAMPLES, load_example, minimal, service
+from kvferry_testing.operator_factories import EXAMPLES, load_example, minimal, service
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

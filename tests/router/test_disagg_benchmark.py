@@ -14,20 +14,20 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import Proc, free_port, wait_http
+from kvferry_testing.benchmarks import load_benchmark
+from kvferry_testing.procs import Proc, free_port, wait_http
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import disagg
-import local_service
-from serving_load import Request
+disagg = load_benchmark("disagg")
+local_service = load_benchmark("local_service")
+Request = load_benchmark("serving_load").Request
 
 
 @pytest.fixture(scope="module")
 def fake_pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A fake engine pod that streams three tokens per completion."""
     port = free_port()
-    proc = Proc([sys.executable, "-m", "kvferry.router.fake_engine", "--port", str(port)],
+    proc = Proc([sys.executable, "-m", "kvferry_testing.fake_engine", "--port", str(port)],
                 tmp_path_factory.mktemp("fake") / "fake.log")
     url = f"http://127.0.0.1:{port}"
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from procs import Proc, fake_engine, router_process
+from kvferry_testing.procs import Proc, fake_engine, router_process
 
 SERVICE = "flow"
 LONG_PROMPT = " ".join(["word"] * 300)  # the fake tokenizer: one token per word

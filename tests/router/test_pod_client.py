@@ -9,9 +9,8 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import httpx
 import pytest
-from procs import Proc, fake_engine, free_port
-
 from kvferry.router.pod_client import HopTimeout, PodClient
+from kvferry_testing.procs import Proc, fake_engine, free_port
 
 STREAM_BODY = json.dumps({"model": "fake", "prompt": "p", "stream": True}).encode()
 WHOLE_BODY = json.dumps({"model": "fake", "prompt": "p"}).encode()

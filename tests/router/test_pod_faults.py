@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import Proc, free_port, router_process, wait_http
+from kvferry_testing.procs import Proc, free_port, router_process, wait_http
 
-from kvferry.engine.server.registry import REGISTRY_TTL_S
+from kvferry.protocol.registry import REGISTRY_TTL_S
 
 SERVICE = "faults"
 FLAGS = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(16 * 1024 * 1024)]
@@ -23,7 +23,7 @@ FLAGS = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(16 * 1024 * 10
 
 def engine_pod(tmp: Path, redis_url: str, name: str) -> Proc:
     port = free_port()
-    proc = Proc([sys.executable, "-m", "kvferry.engine.cli", "serve", "--model", "demo",
+    proc = Proc([sys.executable, "-m", "kvferry.cli", "serve", "--model", "demo",
                  "--port", str(port), "--redis", redis_url, "--service", SERVICE, *FLAGS],
                 tmp / f"{name}.log", env={"KVFERRY_POD_NAME": name})
     proc.port = port  # type: ignore[attr-defined]
@@ -86,7 +86,7 @@ def test_an_engine_pod_registers_its_record_and_leaves_at_once_on_sigterm(
         tmp_path: Path, redis_url: str) -> None:
     import redis
 
-    from kvferry.engine.server.registry import PodRecord, pod_key_prefix
+    from kvferry.protocol.registry import PodRecord, pod_key_prefix
 
     pod = engine_pod(tmp_path, redis_url, "pod-c")
     key = pod_key_prefix(SERVICE) + "pod-c"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from kvferry.engine.kv_cache.hashing import hash_block_tokens, ROOT_HASH
-from kvferry.engine.server.registry import PodRecord
 from kvferry.router.pods import Pod
 from kvferry.router.policies import LeastLoaded, PrefixAware, RoundRobin
 from kvferry.router.prefix_index import PrefixIndex, prompt_block_hashes
+
+from kvferry.protocol.block_hash import ROOT_HASH, hash_block_tokens
+from kvferry.protocol.registry import PodRecord
 
 
 def pod(name: str, waiting: int = 0, running: int = 0, kv: float = 0.0, routed: int = 0) -> Pod:

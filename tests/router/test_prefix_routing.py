@@ -17,10 +17,10 @@ import httpx
 import openai
 import pytest
 import redis
-from procs import Proc, fake_engine, router_process
+from kvferry.engine.frontend.tokenizer import Tokenizer
+from kvferry_testing.procs import Proc, fake_engine, router_process
 
-from kvferry.engine.server.registry import kv_events_key
-from kvferry.engine.tokenizer import Tokenizer
+from kvferry.protocol.kv_events import kv_events_key
 
 SERVICE = "prefix"
 BLOCK_SIZE = 16  # the fake pods' KV block size
@@ -232,7 +232,7 @@ def test_a_router_given_the_tokenizer_hashes_text_without_asking_a_pod(service: 
 def test_a_tokenizer_that_cannot_be_loaded_is_a_clear_cli_error(tmp_path: Path,
                                                                   redis_url: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "kvferry.engine.cli", "router", "--service", SERVICE,
+        [sys.executable, "-m", "kvferry.cli", "router", "--service", SERVICE,
          "--redis", redis_url, "--tokenizer", str(tmp_path)],
         capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2

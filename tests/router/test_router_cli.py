@@ -4,21 +4,18 @@ operator renders for the router pod parses and validates with the real `kvferry 
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-from kvferry.engine.cli import build_parser
 from kvferry.operator.render import render_children
 from kvferry.operator.render_pools import model_arg
 from kvferry.operator.spec import parse_spec
 from kvferry.router.cli import settings_from_args
 from kvferry.router.config import read_api_keys
+from kvferry_testing.operator_factories import EXAMPLES, load_example, random_spec, service
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
-from operator_factories import EXAMPLES, load_example, random_spec, service  # noqa: E402
+from kvferry.cli import build_parser
 
 
 def router_container(manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:

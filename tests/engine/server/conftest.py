@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from serve_helpers import API_KEY, ServerProcess, free_port, serve_command  # noqa: E402
+from kvferry_testing.serve_helpers import API_KEY, ServerProcess, free_port, serve_command
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from serve_helpers import MAX_MODEL_LEN, ServerProcess
+from kvferry_testing.serve_helpers import MAX_MODEL_LEN, ServerProcess
 
 BODY_LIMIT = 65536
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from serve_helpers import ServerProcess
+from kvferry_testing.serve_helpers import ServerProcess
 
 
 def test_demo_model_serves_chat(server_factory: Callable[..., ServerProcess],

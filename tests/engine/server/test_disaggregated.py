@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
-from holding_proxy import HoldingProxy
-from serve_helpers import ServerProcess
+from kvferry_testing.holding_proxy import HoldingProxy
+from kvferry_testing.serve_helpers import ServerProcess
 
 # Children inherit this; UCX logs a line per refused connection otherwise.
 os.environ.setdefault("UCX_LOG_LEVEL", "fatal")
@@ -218,7 +218,7 @@ def test_mismatched_layout_is_refused_at_handshake(
 def test_producer_restarted_on_the_same_port(
     server_factory: Callable[..., ServerProcess], tiny_model: Path, trio: Trio,
 ) -> None:
-    from serve_helpers import free_port
+    from kvferry_testing.serve_helpers import free_port
 
     nixl_port = str(free_port())
     prefill = start_role(server_factory, tiny_model, "prefill", "--nixl-port", nixl_port)

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serve_helpers import MAX_MODEL_LEN, ServerProcess
+from kvferry_testing.serve_helpers import MAX_MODEL_LEN, ServerProcess
 
 
 @pytest.fixture(scope="module")

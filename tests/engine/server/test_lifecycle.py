@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve_helpers import ServerProcess
+from kvferry_testing.serve_helpers import ServerProcess
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}w9 {{ m['content'] }} {% endfor %}"
@@ -25,13 +25,17 @@ CHAT_TEMPLATE = (
 )
 # Tokens of each request in flight during the drain: long enough to outlast the signal.
 LONG = 1000
+# The request running while the queue fills: long enough that it cannot finish, freeing a
+# place, before the queue limit and the drain are checked on a loaded machine.
+LONGEST = 6000
 
 
 @pytest.fixture(scope="module")
-def untemplated_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny checkpoint with its chat template removed."""
+def untemplated_model(make_checkpoint: Callable[..., Path],
+                      tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny checkpoint of LONGEST-plus positions with its chat template removed."""
     path = tmp_path_factory.mktemp("untemplated") / "model"
-    shutil.copytree(tiny_model, path)
+    shutil.copytree(make_checkpoint(vocab_size=256, max_position_embeddings=8192), path)
     (path / "chat_template.jinja").unlink(missing_ok=True)
     config_path = path / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
@@ -66,7 +70,7 @@ def test_drain_on_sigterm_with_a_template_override_and_a_queue_limit(
     template.write_text(CHAT_TEMPLATE)
     server = server_factory(untemplated_model, "--chat-template", str(template),
                             "--max-num-seqs", "1", "--max-num-waiting", "2",
-                            "--max-model-len", "1024", "--drain-timeout", "120", wait=False)
+                            "--max-model-len", "8192", "--drain-timeout", "120", wait=False)
     _check_loading(server)
     server.wait_ready()
     # While the model loaded, /ping answered 200 and /health 503.
@@ -108,7 +112,8 @@ async def _check_queue_limit_then_drain(server: ServerProcess) -> None:
     # One running, two waiting (max_num_seqs 1): a fourth is refused with 429.
     tasks = []
     for running, waiting in ((1, 0), (1, 1), (1, 2)):
-        tasks.append(asyncio.create_task(_stream(url, _long_body(LONG))))
+        max_tokens = LONGEST if not tasks else LONG
+        tasks.append(asyncio.create_task(_stream(url, _long_body(max_tokens), timeout=180)))
         await _until(lambda expected=(running, waiting): (
             server.metric("vllm:num_requests_running"),
             server.metric("vllm:num_requests_waiting")) == expected)
@@ -124,10 +129,10 @@ async def _check_queue_limit_then_drain(server: ServerProcess) -> None:
     assert late.status_code == 503, late.text
     assert "shutting down" in late.json()["error"]["message"]
     results = await asyncio.gather(*tasks)
-    for status, lines, _ in results:
+    for (status, lines, _), max_tokens in zip(results, (LONGEST, LONG, LONG)):
         assert status == 200
         assert lines[-1] == "data: [DONE]"
-        assert _completion_tokens(lines) == LONG  # every in-flight request ran to the end
+        assert _completion_tokens(lines) == max_tokens  # every in-flight request ran to the end
 
 
 async def _until(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
@@ -187,7 +192,7 @@ async def _check_death(server: ServerProcess) -> None:
 def test_unsupported_command_lines_exit_at_once(flags: list[str], words: str) -> None:
     start = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "kvferry.engine.cli", "serve", "--model", "demo", *flags],
+        [sys.executable, "-m", "kvferry.cli", "serve", "--model", "demo", *flags],
         capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2
     assert words in result.stderr

@@ -10,7 +10,7 @@ from collections import Counter
 
 import httpx
 
-from serve_helpers import ServerProcess
+from kvferry_testing.serve_helpers import ServerProcess
 
 NUM_STREAMS = 1000
 MAX_TOKENS = 4

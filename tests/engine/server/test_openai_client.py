@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from serve_helpers import API_KEY, KV_CACHE_BYTES, MAX_MODEL_LEN, ServerProcess
+from kvferry_testing.serve_helpers import API_KEY, KV_CACHE_BYTES, MAX_MODEL_LEN, ServerProcess
 
 # Every token decodes to one word: special tokens (EOS, <unk>) stay in the text.
 RAW = {"ignore_eos": True, "skip_special_tokens": False}
@@ -41,7 +41,7 @@ def test_completion_fields_and_usage(client: openai.OpenAI) -> None:
 
 def test_greedy_completions_equal_offline_generate(client: openai.OpenAI,
                                                    tiny_model: Path) -> None:
-    from kvferry.engine.llm import LLM
+    from kvferry.engine.frontend.llm import LLM
     from kvferry.engine.sampling_params import SamplingParams
 
     llm = LLM(model=str(tiny_model), max_model_len=MAX_MODEL_LEN,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kvferry.engine.messages import SchedulerStats
-from kvferry.engine.outputs import Logprob
+from kvferry.engine.core.messages import SchedulerStats
+from kvferry.engine.frontend.outputs import Logprob
 from kvferry.engine.server.chat import chat_logprobs
 from kvferry.engine.server.chat_template import load_chat_template, render_chat
 from kvferry.engine.server.completions import completion_logprobs
@@ -19,7 +19,7 @@ from kvferry.engine.server.protocol import (
     CompletionRequest,
     param_of_message,
 )
-from kvferry.engine.stats import IterationStats
+from kvferry.engine.frontend.stats import IterationStats
 
 
 def test_completion_request_to_sampling_params() -> None:

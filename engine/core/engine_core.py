@@ -1,0 +1,226 @@
+"""The engine core: scheduler, KV cache and model runner, one step at a time.
+
+It knows token ids only. The front end (`LLMEngine` in one process, the server's engine
+client across a socket) tokenizes, fans out `n > 1`, detokenizes and finds stop strings;
+the core receives `EngineCoreRequest`s and returns, per step, the `EngineCoreOutputs` the
+step produced.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import torch
+from kvferry.engine.config import CacheConfig, EngineConfig
+from kvferry.engine.core.kv_cache import KVCacheManager
+from kvferry.engine.core.kv_connector import start_kv_connector
+from kvferry.engine.core.messages import (
+    EngineCoreInfo,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineLimits,
+    FinishReason,
+    SchedulerStats,
+)
+from kvferry.engine.core.request import Request, RequestStatus
+from kvferry.engine.core.scheduler import Scheduler
+from kvferry.engine.core.scheduler_output import SchedulerOutput
+from kvferry.engine.models.config import ModelArchConfig
+from kvferry.engine.models.loader import resolve_dtype
+from kvferry.engine.models.source import resolve_model_source
+from kvferry.engine.runner.model_runner import ModelRunner, determine_num_blocks
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Loads the model and runs schedule -> execute -> update."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_cfg, cache_cfg, sched_cfg = config.model, config.cache, config.scheduler
+        self.device = resolve_device(config.device)
+        torch.manual_seed(model_cfg.seed)
+        self.model_dir = resolve_model_source(model_cfg.model)
+        self.arch = ModelArchConfig.from_pretrained(self.model_dir)
+        self.max_model_len = resolve_max_model_len(model_cfg.max_model_len, self.arch)
+        self.dtype = resolve_dtype(model_cfg.dtype, self.arch, self.device)
+        num_blocks = determine_num_blocks(self.arch, cache_cfg, self.dtype, self.device)
+        check_kv_cache_fits(num_blocks, cache_cfg, self.max_model_len, self.device)
+        sched_cfg.max_model_len = self.max_model_len
+        self.runner = ModelRunner(
+            self.model_dir, self.arch, self.dtype, self.device, cache_cfg, num_blocks,
+            max_num_reqs=sched_cfg.max_num_seqs, max_model_len=self.max_model_len,
+            max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
+            attention_backend=config.attention_backend,
+            transfer_memory=config.kv_transfer is not None,
+        )
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching
+        )
+        self.kv_connector = (
+            None if config.kv_transfer is None
+            else start_kv_connector(config.kv_transfer, self.runner.kv_cache, cache_cfg.block_size)
+        )
+        self.scheduler = Scheduler(
+            sched_cfg, self.kv_cache_manager,
+            None if self.kv_connector is None else self.kv_connector.scheduler,
+        )
+        self.info = EngineCoreInfo(
+            model_dir=str(self.model_dir),
+            architecture=self.arch.architecture,
+            limits=EngineLimits(
+                max_model_len=self.max_model_len,
+                vocab_size=self.arch.vocab_size,
+                max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
+                enable_chunked_prefill=sched_cfg.enable_chunked_prefill,
+            ),
+            eos_token_ids=list(self.arch.eos_token_ids),
+            block_size=cache_cfg.block_size,
+            num_blocks=num_blocks,
+            kv_transfer_enabled=self.kv_connector is not None,
+        )
+        logger.info(
+            "engine core ready: %s (%s) on %s, dtype %s, max_model_len %d, %d KV blocks",
+            self.model_dir, self.arch.architecture, self.device, self.dtype,
+            self.max_model_len, num_blocks,
+        )
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queues one sequence; ValueError if it could never be scheduled or is a duplicate."""
+        if self.scheduler.has_request(request.req_id):
+            raise ValueError(f"request id {request.req_id!r} is already in use")
+        self.info.limits.check_prompt(request.prompt_token_ids)
+        self.info.limits.check_params(request.sampling_params)
+        self.scheduler.add_request(Request(
+            request_id=request.req_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            eos_token_ids=tuple(request.eos_token_ids),
+            priority=request.priority,
+            arrival_time=request.arrival_time,
+            cache_salt=request.cache_salt,
+            kv_transfer_params=request.kv_transfer_params,
+        ))
+
+    def abort_requests(
+        self, req_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
+        """Finishes sequences wherever they are (the front end found a stop string, or the
+        client went away); their blocks are freed at once. Unknown ids are ignored."""
+        self.scheduler.finish_requests(req_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def has_requests_to_compute(self) -> bool:
+        """False while the only work is transfers (pulls in flight, blocks held for one)."""
+        return self.scheduler.has_requests_to_compute()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> EngineCoreOutputs:
+        """Schedules, executes and updates one step; returns what it produced."""
+        outputs = self._collect_transfers()
+        scheduler_output = self.scheduler.schedule()
+        if self.kv_connector is not None:
+            # Pulls planned by this schedule, cancels of requests finished since the last.
+            self.kv_connector.start_transfers()
+        queue_times = self._queue_times(scheduler_output)
+        try:
+            runner_output = self.runner.execute_model(scheduler_output)
+        except Exception:  # noqa: BLE001 - one bad step must not take every request down
+            outputs += self._fail_step(scheduler_output)
+        else:
+            outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
+        return EngineCoreOutputs(outputs, self.make_stats(), queue_times)
+
+    def _collect_transfers(self) -> list[EngineCoreOutput]:
+        if self.kv_connector is None:
+            return []
+        return self.scheduler.update_from_kv_connector(self.kv_connector.worker.get_finished())
+
+    def make_stats(self) -> SchedulerStats:
+        stats = self.scheduler.make_stats()
+        if self.kv_connector is not None:
+            stats.kv_transfer = self.kv_connector.stats()
+        return stats
+
+    def shutdown(self) -> None:
+        """Stops the KV connector's threads and side channel (nothing else holds any)."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+
+    def _queue_times(self, scheduler_output: SchedulerOutput) -> dict[str, float]:
+        """Seconds each sequence first scheduled this step waited since its arrival.
+
+        Arrival times are on the front end's `time.monotonic()` clock, which is system-wide,
+        so the difference holds when the core runs in another process.
+        """
+        new_reqs = scheduler_output.scheduled_new_reqs
+        if not new_reqs:
+            return {}
+        now = time.monotonic()
+        requests = self.scheduler.requests
+        return {
+            r.req_id: max(now - requests[r.req_id].arrival_time, 0.0)
+            for r in new_reqs if not r.is_resumed
+        }
+
+    def _fail_step(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
+        failed = self.scheduler.fail_step(scheduler_output)
+        failed_ids = [r.request_id for r in failed]
+        logger.exception(
+            "a step of %d requests failed; they end with finish_reason 'error', the engine "
+            "goes on: %s", len(failed_ids), failed_ids,
+        )
+        self.runner.recover_from_failed_step(failed_ids)
+        return [EngineCoreOutput(r, [], finish_reason=FinishReason.ERROR) for r in failed_ids]
+
+
+def check_kv_cache_fits(
+    num_blocks: int, cache: CacheConfig, max_model_len: int, device: torch.device
+) -> None:
+    """Raises ValueError unless the pool holds one sequence of `max_model_len` tokens.
+
+    Otherwise a request that grows to that length could never be scheduled and would
+    wait forever.
+    """
+    capacity = (num_blocks - 1) * cache.block_size  # block 0 is the null block
+    if capacity >= max_model_len:
+        return
+    if cache.num_gpu_blocks_override is not None:
+        setting = "num_gpu_blocks_override (--num-gpu-blocks-override)"
+    elif device.type == "cuda":
+        setting = "gpu_memory_utilization (--gpu-memory-utilization)"
+    else:
+        setting = "kv_cache_memory_bytes (--kv-cache-memory-bytes)"
+    raise ValueError(
+        f"the KV cache pool has {num_blocks - 1} blocks of {cache.block_size} tokens "
+        f"({capacity} tokens), fewer than max_model_len={max_model_len}: a sequence of the "
+        f"maximum length could never be scheduled. Raise {setting} or lower max_model_len "
+        "(--max-model-len)"
+    )
+
+
+def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:
+    limit = arch.max_position_embeddings
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len {requested} is larger than the model's "
+            f"max_position_embeddings of {limit}"
+        )
+    return requested
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {name!r}")
+    return torch.device(name)

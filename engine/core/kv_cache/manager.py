@@ -1,0 +1,183 @@
+"""Per-request KV block bookkeeping on top of the block pool.
+
+A request's blocks form its block table, which is append-only while the request runs:
+prefix-cache hits come first, then newly allocated blocks. Preemption and finishing free
+the whole table.
+
+Allocation never indexes blocks in the prefix cache: the scheduler calls
+`cache_full_blocks` once a step has written them (a block allocated for a step that is
+then undone must not be found by a later request).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import islice, repeat
+
+import numpy as np
+from kvferry.engine.core.kv_cache.block_pool import BlockPool, KVCacheBlock
+from kvferry.engine.core.request import Request
+
+from kvferry.protocol.block_hash import hash_request_blocks
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prompt tokens looked up in the prefix cache and tokens found there."""
+
+    queries: int = 0
+    hits: int = 0
+    requests: int = 0
+
+
+class KVCacheManager:
+    """Allocates, caches and frees the KV blocks of requests."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already in the prefix-cache index.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """Block ids of a request's table from index `start` on."""
+        blocks = self.req_to_blocks.get(request_id, [])
+        return [b.block_id for b in blocks[start:]]
+
+    def num_slots(self, request_ids: list[str]) -> np.ndarray:
+        """(len(request_ids),) int64: tokens each request's blocks can hold."""
+        num = len(request_ids)
+        tables = map(self.req_to_blocks.get, request_ids, repeat((), num))
+        return np.fromiter(map(len, tables), np.int64, num) * self.block_size
+
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Indexes the request's blocks that are full once `num_tokens` have KV in the cache.
+
+        Called only after the step that computed them (see the module docstring).
+        """
+        if self.enable_caching:
+            self._cache_full_blocks(request, self.req_to_blocks[request.request_id], num_tokens)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Returns the longest cached prefix of a new request and its length in tokens.
+
+        The hit never covers the whole sequence: its last token is always recomputed, since
+        sampling the next token needs that token's logits.
+        """
+        if not self.enable_caching:
+            return [], 0
+        hash_request_blocks(
+            request.all_token_ids, self.block_size, request.block_hashes, request.cache_salt
+        )
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_cache_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counts one admitted request's lookup (a request left waiting is not counted)."""
+        if not self.enable_caching:
+            return
+        stats = self.prefix_cache_stats
+        stats.requests += 1
+        stats.queries += num_tokens
+        stats.hits += num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_new_computed_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Makes room for `num_new_tokens` more tokens; None when the pool is too small.
+
+        `new_computed_blocks` are prefix-cache hits of a request scheduled for the first
+        time; they join its table ahead of the new blocks.
+        """
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks and not new_computed_blocks:
+            # Fast path (most decode steps): the tokens fit the request's last block.
+            num_tokens_after = request.num_computed_tokens + num_new_tokens
+            if num_tokens_after <= len(blocks) * self.block_size:
+                return []
+        computed = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_required = -(-num_tokens_after // self.block_size) - len(blocks) - len(computed)
+        # Hits sitting in the free queue leave it when touched, so they count against it too.
+        num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        if max(num_required, 0) + num_evictable_hits > self.num_free_blocks:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        self.block_pool.touch(computed)
+        blocks.extend(computed)
+        new_blocks = self.block_pool.get_new_blocks(max(num_required, 0))
+        blocks.extend(new_blocks)
+        if computed:
+            # Hits are indexed already; the request's own caching starts after them.
+            self.num_cached_blocks[request.request_id] = len(computed)
+        return new_blocks
+
+    def allocate_running_slots(
+        self, requests: list[Request], num_tokens: list[int]
+    ) -> list[list[int]] | None:
+        """Grows running requests' tables to hold `num_tokens[i]` tokens each, all at once.
+
+        The step path's allocation: no prefix-cache hits are involved and every request
+        already holds blocks. Returns each request's new block ids, or None, with nothing
+        allocated, when the pool cannot serve them all.
+        """
+        block_size, tables = self.block_size, self.req_to_blocks
+        counts = [
+            -(-n // block_size) - len(tables[r.request_id]) for r, n in zip(requests, num_tokens)
+        ]
+        if sum(counts) > self.num_free_blocks:
+            return None
+        new_blocks = iter(self.block_pool.get_new_blocks(sum(counts)))
+        new_block_ids = []
+        for request, count in zip(requests, counts):
+            blocks = list(islice(new_blocks, count))
+            tables[request.request_id].extend(blocks)
+            new_block_ids.append([b.block_id for b in blocks])
+        return new_block_ids
+
+    def _cache_full_blocks(
+        self, request: Request, blocks: list[KVCacheBlock], num_tokens: int
+    ) -> None:
+        """Indexes blocks [cached so far, full at `num_tokens`) under their chained hashes."""
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        first = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full <= first:
+            return  # no block became full
+        hashes = hash_request_blocks(
+            request.all_token_ids, self.block_size, request.block_hashes, request.cache_salt
+        )
+        for i in range(first, num_full):
+            self.block_pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Releases every block of a request, tail first, so shared prefixes are evicted last."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

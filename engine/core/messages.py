@@ -1,0 +1,221 @@
+"""What crosses between the front end and the engine core, in one process or over a socket.
+
+The front end (tokenizer, detokenizer, stop strings, `n > 1` fan-out) sends one
+`EngineCoreRequest` per sequence to generate; the engine core (scheduler, KV cache, model
+runner) answers every step with `EngineCoreOutputs`: only what the step added (new token
+ids, this step's logprobs, finish reasons) and one snapshot of the scheduler's state, so
+per-step traffic grows with the number of new tokens, not with what was generated before.
+
+Every message is a msgspec struct (`array_like`: encoded as a msgpack array, not a map),
+so the same objects go over ZMQ without a hand-written encoding.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+from kvferry.engine.sampling_params import SamplingParams
+from kvferry.kvtransfer.metrics import KVTransferStats
+from kvferry.kvtransfer.params import KVTransferParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a sequence ended; `str()` is the OpenAI `finish_reason`."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    # The step computing the sequence failed; the engine went on serving the others.
+    ERROR = 3
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One sequence to generate, already tokenized and validated by the front end."""
+
+    # Unique among the engine's unfinished sequences (a child of an n > 1 request has its own).
+    req_id: str
+    prompt_token_ids: list[int]
+    # Validated on construction; the core trusts every field.
+    sampling_params: SamplingParams
+    # Token ids that end generation unless `ignore_eos` (the model's EOS ids).
+    eos_token_ids: list[int]
+    # Seconds on the front end's monotonic clock; orders requests under FCFS.
+    arrival_time: float
+    # Lower runs first under the priority policy.
+    priority: int = 0
+    # Extra prefix-cache key material (a hash of prompt embeddings or of an encoder input).
+    cache_salt: bytes | None = None
+    # The client's `kv_transfer_params`, parsed and validated once, by the front end; the
+    # core passes them to its KV connector without reading them.
+    kv_transfer_params: KVTransferParams | None = None
+
+
+# One sampled position: [(token_id, logprob, rank), ...], the sampled token first, then the
+# top-N alternatives.
+PositionLogprobs = list[tuple[int, float, int]]
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one step did for one sequence: the tokens it added, and whether it ended."""
+
+    req_id: str
+    new_token_ids: list[int]
+    # One entry per new token, when the request asked for logprobs.
+    new_logprobs: list[PositionLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    # The stop token id that ended the sequence (None for EOS, length and the rest).
+    stop_reason: int | None = None
+    # Prompt tokens served from the prefix cache; set on the sequence's first output.
+    num_cached_tokens: int = -1
+    # On a producer, the last output of a prefill held for a remote decode: the params
+    # the decode hop must carry (vLLM's shape).
+    kv_transfer_params: dict[str, Any] | None = None
+    # Why the request failed (finish_reason ERROR), for the client.
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True):
+    """A snapshot of the scheduler after a step (counters are cumulative)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    # Fraction of KV blocks in use (0.0 - 1.0).
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    # The transfer layer's counters; None when the engine has no KV connector.
+    kv_transfer: KVTransferStats | None = None
+    # Requests whose pull failed and were computed here instead (cumulative).
+    num_kv_transfer_fallbacks: int = 0
+    # Requests parked while a pull fills their blocks (included in num_waiting_reqs).
+    num_waiting_for_remote_kv: int = 0
+    # Block hashes the prefix cache started / stopped holding in this step (KV events;
+    # a reader applies `evicted_block_hashes` first).
+    stored_block_hashes: list[bytes] = msgspec.field(default_factory=list)
+    evicted_block_hashes: list[bytes] = msgspec.field(default_factory=list)
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True):
+    """One step's outputs and the scheduler's state after it."""
+
+    outputs: list[EngineCoreOutput]
+    scheduler_stats: SchedulerStats
+    # Sequences this step scheduled for the first time -> seconds they waited since arrival
+    # (a sequence resumed after preemption is not counted again).
+    queue_times: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+class EngineLimits(msgspec.Struct, array_like=True, frozen=True):
+    """What a request must satisfy to ever be scheduled; checked by the front end and the core."""
+
+    max_model_len: int
+    vocab_size: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raises ValueError naming the problem and the limit."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: it must have at least one token")
+        vocab_size = self.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+        num_tokens = len(prompt_token_ids)
+        if num_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_tokens} tokens, more than the maximum model length "
+                f"of {self.max_model_len}"
+            )
+        # Without chunked prefill a prompt is computed in one step, so it must fit one.
+        if not self.enable_chunked_prefill and num_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"the prompt has {num_tokens} tokens, more than max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}, and chunked prefill is disabled"
+            )
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raises ValueError for fields that depend on the model (token ids in the vocabulary)."""
+        for index, token_id in enumerate(params.stop_token_ids or ()):
+            if token_id >= self.vocab_size:
+                raise ValueError(
+                    f"stop_token_ids[{index}] = {token_id} is outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+
+
+class EngineCoreInfo(msgspec.Struct, array_like=True, frozen=True):
+    """What the front end learns from a loaded engine core."""
+
+    # The checkpoint directory the core loaded (the front end reads its tokenizer there).
+    model_dir: str
+    architecture: str
+    limits: EngineLimits
+    # The model's EOS ids (from its config; the front end falls back to the tokenizer's).
+    eos_token_ids: list[int]
+    block_size: int
+    # KV blocks in the pool, the null block included.
+    num_blocks: int
+    # The core runs a KV connector: requests may carry kv_transfer_params.
+    kv_transfer_enabled: bool = False
+
+
+# ---------------------------------------------------------------- the engine-core socket
+# `kvferry serve` runs the core in its own process (engine/frontend/core_process.py). Each message
+# kind is its own tagged struct, so one msgpack decoder per direction reads a union of them.
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    """Front end -> core: queue one sequence."""
+
+    request: EngineCoreRequest
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    """Front end -> core: finish sequences wherever they are and free their blocks."""
+
+    req_ids: list[str]
+    # ABORT when the caller went away; STOP when the front end found a stop string.
+    finish_reason: FinishReason = FinishReason.ABORT
+
+
+class ShutdownCore(msgspec.Struct, tag=True, array_like=True):
+    """Front end -> core: exit the loop and the process."""
+
+
+CoreInput = AddRequest | AbortRequests | ShutdownCore
+
+
+class CoreReady(msgspec.Struct, tag=True, array_like=True):
+    """Core -> front end, once: the model is loaded and the loop is about to start."""
+
+    info: EngineCoreInfo
+
+
+class CoreStepOutputs(msgspec.Struct, tag=True, array_like=True):
+    """Core -> front end, once per step (and once after inputs that left it idle)."""
+
+    outputs: EngineCoreOutputs
+    # AddRequest messages the core has received so far: the front end subtracts it from
+    # what it sent to count the requests still in the socket, waiting but not in the stats.
+    num_requests_received: int
+
+
+class CoreFailed(msgspec.Struct, tag=True, array_like=True):
+    """Core -> front end, last message: loading or the loop failed; the process exits."""
+
+    # The exception's type and text, for the front end's error and the logs.
+    message: str
+
+
+CoreOutput = CoreReady | CoreStepOutputs | CoreFailed

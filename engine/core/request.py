@@ -1,0 +1,105 @@
+"""A request's state as the scheduler and KV cache manager see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvferry.engine.core.kv_connector import TransferParams
+from kvferry.engine.core.messages import FinishReason
+from kvferry.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    # Its blocks are allocated and a pull fills them from a remote producer: never
+    # scheduled until the pull succeeds, fails or times out.
+    WAITING_FOR_REMOTE_KV = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this point is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    # The step computing the request raised; its blocks were freed.
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """Why a finished request ended (None while it is not finished)."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated: prompt, outputs and how much of it has KV."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Token ids that end generation unless `ignore_eos` (the model's EOS ids).
+    eos_token_ids: tuple[int, ...] = ()
+    # Lower value runs first under the priority policy.
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Extra prefix-cache key material that must match for blocks to be shared
+    # (for example a hash of prompt embeddings); None when the tokens say it all.
+    cache_salt: bytes | None = None
+    # Remote-KV instructions (pull from a producer, or hold for a remote decode), opaque
+    # to the core: only the KV connector reads them. Set to None once a pull is over, so a
+    # preempted request recomputes instead of pulling again.
+    kv_transfer_params: TransferParams = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # prompt + outputs; the scheduler schedules the tokens past num_computed_tokens.
+    all_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV is in the cache (or is being computed this step).
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache when the request was first scheduled.
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    # The stop token id that ended the request.
+    stop_reason: int | None = None
+    # Chained hashes of the request's full blocks, filled in as blocks fill.
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Set by the scheduler on arrival: outputs after which a length cap (max_tokens or
+    # max_model_len) ends the request, and the token ids that may end it early.
+    max_output_tokens: int = 0
+    stop_token_set: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,447 @@
+"""Continuous batching: which requests compute how many tokens this step.
+
+Every step has a token budget (`max_num_batched_tokens`) shared by decodes and prefill
+chunks. Running requests are served first, in order; when the pool runs out of blocks the
+lowest-priority running request is preempted (its blocks freed, its KV recomputed later).
+Waiting requests are admitted next, with their prefix-cache hits, as far as the budget,
+`max_num_seqs` and free blocks allow; a prompt larger than what is left is chunked.
+
+After scheduling, each request's `num_computed_tokens` already counts this step's tokens,
+so the next step can be planned before this one's tokens are sampled.
+
+Invariant: a block's hash enters the prefix-cache index only in `update_from_output`, once
+the step that wrote the block's last slot has run. A request taken back out of a step
+(preempted, aborted, or failed with it) therefore never leaves a hash for KV that was not
+computed. So that requests with a common prefix arriving together (the `n` completions of
+one prompt, a shared system prompt) still compute it once, a waiting request whose next
+block is being computed in this step by another request waits one step for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from kvferry.engine.config import SchedulerConfig
+from kvferry.engine.core.kv_cache import KVCacheBlock, KVCacheManager
+from kvferry.engine.core.kv_connector import KVConnectorSchedulerBase
+from kvferry.engine.core.messages import EngineCoreOutput, FinishReason, SchedulerStats
+from kvferry.engine.core.remote_kv import RemoteKV
+from kvferry.engine.core.request import Request, RequestStatus
+from kvferry.engine.core.request_queue import make_request_queue
+from kvferry.engine.core.running_plan import plan_running, request_id
+from kvferry.engine.core.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    new_request_data,
+)
+from kvferry.engine.core.step_budget import StepBudget
+from kvferry.engine.core.stopping import MinTokensGuard, check_stop
+
+
+class Scheduler:
+    """Owns request state transitions and the KV cache manager."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        connector: KVConnectorSchedulerBase | None = None,
+    ) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        # Requests whose KV crosses engines; None without a KV connector.
+        self.remote = None if connector is None else RemoteKV(connector, kv_cache_manager)
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_request_queue(config.policy)
+        self.running: list[Request] = []
+        # Finished since the last schedule(): the runner drops their rows and any state it
+        # keeps for them (ids it never saw are ignored there).
+        self.finished_req_ids: set[str] = set()
+        self._min_tokens = MinTokensGuard()
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        params = request.sampling_params
+        room = self.config.max_model_len - request.num_prompt_tokens
+        request.max_output_tokens = room if params.max_tokens is None else min(
+            room, params.max_tokens
+        )
+        eos = () if params.ignore_eos else request.eos_token_ids
+        request.stop_token_set = frozenset((*eos, *params.stop_token_ids))
+        transfer = request.kv_transfer_params
+        if transfer is not None:
+            if self.remote is None:
+                raise ValueError("kv_transfer_params need an engine with KV transfer enabled")
+            cap = self.remote.connector.max_output_tokens(transfer)
+            if cap is not None:
+                request.max_output_tokens = min(request.max_output_tokens, cap)
+        self.requests[request.request_id] = request
+        if self.remote is not None:
+            self.remote.add_request(request)
+        self.waiting.add(request)
+        self._min_tokens.add(request)
+
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus
+    ) -> list[Request]:
+        """Finishes (or aborts) requests wherever they are; unknown ids are ignored."""
+        assert status.is_finished, status
+        finished = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                self.remote.remove_waiting(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+            finished.append(request)
+        return finished
+
+    def _free_request(self, request: Request) -> dict[str, Any] | None:
+        """Frees a finished request's blocks, unless the KV connector keeps them.
+
+        Returns the `kv_transfer_params` for a remote decode (a producer's finished prefill).
+        """
+        params = None if self.remote is None else self.remote.request_finished(request)
+        if self.remote is None or request.request_id not in self.remote.kept:
+            self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._min_tokens.discard(request.request_id)
+        # Always reported, wherever the request was: a request preempted and then aborted
+        # while waiting has no row but may still have runner state (a seeded generator).
+        self.finished_req_ids.add(request.request_id)
+        return params
+
+    def fail_step(self, scheduler_output: SchedulerOutput) -> list[Request]:
+        """Finishes every request of a step that raised, freeing their blocks.
+
+        The step advanced their `num_computed_tokens` for KV that may never have been
+        written; nothing of it entered the prefix cache (see the module invariant), so
+        dropping the requests leaves the cache and the other requests consistent.
+        """
+        return self.finish_requests(
+            list(scheduler_output.num_scheduled_tokens), RequestStatus.FINISHED_ERROR
+        )
+
+    def has_request(self, req_id: str) -> bool:
+        """Whether the id is taken: by an unfinished request, or one whose blocks are kept."""
+        return req_id in self.requests or (self.remote is not None and req_id in self.remote.kept)
+
+    def get_num_unfinished_requests(self) -> int:
+        num_remote = 0 if self.remote is None else len(self.remote.waiting_for_remote)
+        return len(self.waiting) + len(self.running) + num_remote
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether steps are needed: requests to compute, or transfers to see through."""
+        return self.get_num_unfinished_requests() > 0 or bool(self.remote)
+
+    def has_requests_to_compute(self) -> bool:
+        return bool(self.waiting) or bool(self.running)
+
+    # ------------------------------------------------------------------ transfers
+    def update_from_kv_connector(self, output: object) -> list[EngineCoreOutput]:
+        """Applies the KV worker's report; returns the outputs of requests it ended.
+
+        Ready requests go back to the front of the queue with their pulled tokens computed;
+        failed ones recompute (policy `recompute`) or end with an error (`fail`).
+        """
+        assert self.remote is not None
+        outcome = self.remote.update(output)
+        for request in reversed(outcome.ready):
+            self.waiting.prepend(request)
+        outputs = []
+        for request, failure in outcome.failed:
+            # A failed pull's blocks hold garbage and were never indexed: free them.
+            self.kv_cache_manager.free(request)
+            if self.remote.failure_policy == "recompute":
+                self.remote.num_fallbacks += 1
+                request.num_computed_tokens = 0
+                request.status = RequestStatus.WAITING
+                self.waiting.prepend(request)
+                continue
+            request.status = RequestStatus.FINISHED_ERROR
+            self._free_request(request)
+            outputs.append(EngineCoreOutput(
+                request.request_id, [], finish_reason=FinishReason.ERROR,
+                error=f"pulling the prompt's KV failed ({failure.reason}): {failure.message}",
+            ))
+        return outputs
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = StepBudget(self.config.max_num_batched_tokens, self.kv_cache_manager.block_size)
+        scheduled_running, preempted = self._schedule_running(budget)
+        scheduled_waiting: list[Request] = []
+        if not preempted:
+            scheduled_waiting = self._schedule_waiting(budget)
+        output = self._make_output(scheduled_running, scheduled_waiting, preempted, budget)
+        for request, num_tokens in zip(budget.requests.values(), budget.scheduled.values()):
+            request.num_computed_tokens += num_tokens
+        return output
+
+    def _schedule_running(self, budget: StepBudget) -> tuple[list[Request], list[Request]]:
+        """Serves running requests in order: planned in bulk unless someone must be preempted."""
+        planned = self._plan_running(budget)
+        if planned is not None:
+            return planned, []
+        return self._schedule_running_one_by_one(budget)
+
+    def _plan_running(self, budget: StepBudget) -> list[Request] | None:
+        """The common step, planned in bulk; None if blocks ran out (see running_plan)."""
+        return plan_running(self.running, self.kv_cache_manager, self.config.max_model_len, budget)
+
+    def _schedule_running_one_by_one(
+        self, budget: StepBudget
+    ) -> tuple[list[Request], list[Request]]:
+        scheduled: list[Request] = []
+        preempted: list[Request] = []
+        max_model_len = self.config.max_model_len
+        index = 0
+        while index < len(self.running) and budget.tokens > 0:
+            request = self.running[index]
+            num_new = min(len(request.all_token_ids), max_model_len) - request.num_computed_tokens
+            num_new = min(num_new, budget.tokens)
+            index += 1
+            if num_new <= 0:
+                continue
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is None:
+                following = self.running[index:]
+                new_blocks = self._preempt_until_fits(request, num_new, budget, preempted)
+                # Victims may sit before or after this request: go on with the first
+                # request after it that is still running (under the priority policy, one
+                # that preempted itself may be followed by requests that still fit).
+                index = next(
+                    (self.running.index(r) for r in following if r.status == RequestStatus.RUNNING),
+                    len(self.running),
+                )
+                if new_blocks is None:
+                    continue  # the request preempted itself
+            if new_blocks:
+                budget.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            budget.take(request, num_new)
+            scheduled.append(request)
+        return scheduled, preempted
+
+    def _preempt_until_fits(
+        self, request: Request, num_new: int, budget: StepBudget, preempted: list[Request]
+    ) -> list[KVCacheBlock] | None:
+        """Preempts others until `request` gets its blocks (None if it preempted itself)."""
+        while True:
+            victim = self._pick_victim()
+            self._preempt(victim, budget)
+            preempted.append(victim)
+            if victim is request:
+                return None
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, budget: StepBudget) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        budget.untake(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    def _schedule_waiting(self, budget: StepBudget) -> list[Request]:
+        scheduled: list[Request] = []
+        while self.waiting and budget.tokens > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting.peek()
+            is_pulled = request.request_id in self.kv_cache_manager.req_to_blocks
+            if is_pulled:
+                # Its pull succeeded: its blocks hold the pulled tokens' KV.
+                hits, num_hit_tokens = [], request.num_computed_tokens
+            else:
+                hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+                if self._next_block_in_flight(request, len(hits), budget):
+                    break  # it will be a prefix-cache hit next step
+                num_external = self._num_external_tokens(request, num_hit_tokens)
+                if num_external:
+                    if not self._park_for_remote_kv(request, hits, num_hit_tokens, num_external):
+                        break
+                    continue
+            num_new = request.num_tokens - num_hit_tokens
+            # Without chunked prefill a prompt runs in one step (add_request made sure it
+            # fits one); a preempted request's recompute may be longer, so it is chunked.
+            if (
+                not self.config.enable_chunked_prefill
+                and request.num_preemptions == 0
+                and num_new > budget.tokens
+            ):
+                break
+            num_new = min(num_new, budget.tokens)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new, hits, num_hit_tokens
+            )
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            if not is_pulled:
+                self._record_admission(request, num_hit_tokens)
+                if self.remote is not None:
+                    self.remote.compute_locally(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            budget.take(request, num_new)
+            scheduled.append(request)
+        return scheduled
+
+    def _record_admission(self, request: Request, num_hit_tokens: int) -> None:
+        self.kv_cache_manager.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        request.num_computed_tokens = num_hit_tokens
+
+    def _num_external_tokens(self, request: Request, num_hit_tokens: int) -> int:
+        if self.remote is None or request.kv_transfer_params is None:
+            return 0
+        return self.remote.num_external_tokens(request, num_hit_tokens)
+
+    def _park_for_remote_kv(
+        self, request: Request, hits: list[KVCacheBlock], num_hit_tokens: int, num_external: int
+    ) -> bool:
+        """Allocates blocks for a request's hits and pulled tokens and parks it for the pull.
+
+        False when the pool cannot hold them (the request stays first in the queue).
+        """
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, num_external, hits, num_hit_tokens
+        )
+        if new_blocks is None:
+            return False
+        self.waiting.pop()
+        self._record_admission(request, num_hit_tokens)
+        assert self.remote is not None
+        self.remote.park(request, num_hit_tokens, num_external)
+        return True
+
+    def _next_block_in_flight(self, request: Request, num_hit_blocks: int, budget: StepBudget) -> bool:
+        """Whether another request computes, this step, the first block `request` missed."""
+        manager = self.kv_cache_manager
+        # A hit never covers the last token (see KVCacheManager.get_computed_blocks).
+        if not manager.enable_caching or (
+            num_hit_blocks >= (request.num_tokens - 1) // manager.block_size
+        ):
+            return False
+        return budget.computes_block(request.block_hashes[num_hit_blocks])
+
+    def _make_output(
+        self,
+        running: list[Request],
+        waiting: list[Request],
+        preempted: list[Request],
+        budget: StepBudget,
+    ) -> SchedulerOutput:
+        # Invariant: a request scheduled from `running` already has a runner row (it got
+        # one the step it was admitted), and one admitted from `waiting` has none (new, or
+        # dropped from the runner when it was preempted).
+        if preempted:
+            running = [r for r in running if r.status == RequestStatus.RUNNING]
+        cached = CachedRequestData(
+            req_ids=list(map(request_id, running)),
+            new_block_ids=budget.new_block_ids,
+            num_computed_tokens=[r.num_computed_tokens for r in running],
+        )
+        get_block_ids = self.kv_cache_manager.get_block_ids
+        new_reqs = [new_request_data(r, get_block_ids(r.request_id)) for r in waiting]
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=dict(budget.scheduled),
+            total_num_scheduled_tokens=sum(budget.scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+            blocked_stop_token_ids=self._min_tokens.blocked_stop_tokens(budget.scheduled),
+            filling_req_ids=list(budget.filling) if self.kv_cache_manager.enable_caching else [],
+        )
+        self.finished_req_ids = set()
+        return output
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Indexes the blocks the step filled, appends sampled tokens, finishes stopped requests.
+
+        Returns one output per request that produced a token this step; a finished one
+        carries its finish reason.
+        """
+        self._cache_computed_blocks(scheduler_output)
+        outputs = []
+        stopped = False
+        requests, running = self.requests, RequestStatus.RUNNING
+        for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            request = requests.get(req_id)
+            if request is None or request.status is not running:
+                continue  # aborted while the step ran
+            output_ids = request.output_token_ids
+            output_ids.append(token_id)
+            request.all_token_ids.append(token_id)
+            output = EngineCoreOutput(req_id, [token_id])
+            outputs.append(output)
+            if len(output_ids) == 1:
+                output.num_cached_tokens = max(request.num_cached_tokens, 0)
+            # Most tokens neither stop nor reach a length cap: one set test, one compare.
+            if token_id in request.stop_token_set or len(output_ids) >= request.max_output_tokens:
+                status = check_stop(request, token_id)
+                if status is not None:
+                    request.status = status
+                    output.finish_reason = status.finish_reason
+                    output.stop_reason = request.stop_reason
+                    output.kv_transfer_params = self._free_request(request)
+                    stopped = True
+        if stopped:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        if runner_output.logprobs is not None:
+            by_req = dict(zip(runner_output.req_ids, runner_output.logprobs))
+            for output in outputs:
+                if by_req[output.req_id]:
+                    output.new_logprobs = [by_req[output.req_id]]
+        return outputs
+
+    def _cache_computed_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        """Indexes the blocks whose KV the step finished writing (the one place that does)."""
+        requests, running = self.requests, RequestStatus.RUNNING
+        for req_id in scheduler_output.filling_req_ids:
+            request = requests.get(req_id)
+            # A request preempted or finished since it was scheduled has no blocks left.
+            if request is not None and request.status is running:
+                self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens)
+
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's state after a step, for the engine's statistics."""
+        prefix = self.kv_cache_manager.prefix_cache_stats
+        stored, evicted = self.kv_cache_manager.block_pool.events.drain()
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=self.get_num_unfinished_requests() - len(self.running),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self.num_preemptions,
+            num_kv_transfer_fallbacks=0 if self.remote is None else self.remote.num_fallbacks,
+            num_waiting_for_remote_kv=(
+                0 if self.remote is None else len(self.remote.waiting_for_remote)),
+            stored_block_hashes=stored,
+            evicted_block_hashes=evicted,
+        )
+

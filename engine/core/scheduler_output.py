@@ -1,0 +1,92 @@
+"""What the scheduler hands the model runner each step: only what changed.
+
+The runner keeps its own copy of every running request (its persistent input batch), so a
+step carries full data for requests the runner has not seen (new, or resumed after
+preemption) and just the new block ids and progress of the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvferry.engine.core.request import Request
+from kvferry.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner must (re)build a batch row for."""
+
+    req_id: str
+    # prompt + outputs so far: a request resumed after preemption recomputes them all.
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    # The request's whole block table.
+    block_ids: list[int]
+    # Tokens already in the cache (prefix-cache hits) before this step.
+    num_computed_tokens: int
+    # Back after preemption: the runner keeps per-request state it holds (the seeded
+    # generator continues). A request that is not resumed always starts fresh, even if an
+    # earlier request had the same id.
+    is_resumed: bool = False
+
+
+@dataclass
+class CachedRequestData:
+    """Progress of requests the runner already holds, in parallel lists."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # Blocks appended to a request's table this step, for just the requests that got some.
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Tokens in the cache before this step.
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens computed for it this step.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that finished or were aborted since the last step: drop their rows.
+    finished_req_ids: set[str]
+    # Requests preempted this step: drop their rows (they come back as new requests).
+    preempted_req_ids: set[str]
+    # Stop tokens each request must not sample yet (min_tokens not reached): req_id -> ids.
+    blocked_stop_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Requests whose tokens complete at least one KV block this step; the scheduler indexes
+    # those blocks in the prefix cache once the step has run (the runner ignores this).
+    filling_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step computed: a sampled token for each request whose prompt is done."""
+
+    # Requests that sampled a token this step (partial prefill chunks sample nothing).
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    # Per sampled request: [(token_id, logprob, rank), ...] with the sampled token first,
+    # then the top-N; None when no request asked for logprobs.
+    logprobs: list[list[tuple[int, float, int]]] | None = None
+
+
+def new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
+    """What the runner needs to build a row for a request it does not hold."""
+    return NewRequestData(
+        req_id=request.request_id,
+        token_ids=list(request.all_token_ids),
+        num_prompt_tokens=request.num_prompt_tokens,
+        sampling_params=request.sampling_params,
+        block_ids=block_ids,
+        num_computed_tokens=request.num_computed_tokens,
+        is_resumed=request.num_preemptions > 0,
+    )

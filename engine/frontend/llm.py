@@ -1,0 +1,136 @@
+"""The offline API, with vLLM's names: `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvferry.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvferry.engine.frontend.llm_engine import LLMEngine, PromptType, RequestOutputKind
+from kvferry.engine.frontend.outputs import RequestOutput
+from kvferry.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """An engine for offline batch generation.
+
+    Example::
+
+        llm = LLM(model="demo", max_model_len=512)
+        for out in llm.generate(["Hello", "The sky"], SamplingParams(max_tokens=8)):
+            print(out.prompt, "->", out.outputs[0].text)
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        scheduling_policy: str = "fcfs",
+        seed: int = 0,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        num_gpu_blocks_override: int | None = None,
+        attention_backend: str = "torch",
+        device: str = "auto",
+        served_model_name: str | None = None,
+    ) -> None:
+        config = EngineConfig(
+            model=ModelConfig(
+                model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
+                seed=seed, served_model_name=served_model_name,
+            ),
+            cache=CacheConfig(
+                block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                gpu_memory_utilization=gpu_memory_utilization,
+                num_gpu_blocks_override=num_gpu_blocks_override,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy,  # type: ignore[arg-type]
+            ),
+            attention_backend=attention_backend,
+            device=device,
+        )
+        self.llm_engine = LLMEngine(config)
+
+    def get_tokenizer(self):  # noqa: ANN201 - the engine's Tokenizer
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates completions for every prompt; returns them in input order.
+
+        A prompt is a string, a list of token ids, `{"prompt": text}` or
+        `{"prompt_token_ids": ids}`. All prompts are validated before any runs, so a bad
+        one raises ValueError and nothing is queued.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
+        engine = self.llm_engine
+        processed = [engine.process_prompt(p) for p in prompt_list]
+        request_ids = []
+        for i, (prompt, p) in enumerate(zip(processed, params)):
+            request_id = engine.next_request_id()
+            engine.add_request(
+                request_id, prompt, p, priority=priority[i] if priority else 0,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            request_ids.append(request_id)
+        return self._run_engine(request_ids, use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        if progress is not None:
+                            progress.update(1)
+        finally:
+            if progress is not None:
+                progress.close()
+        return [finished[r] for r in request_ids]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)  # type: ignore[arg-type]
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(params, SamplingParams):
+        return [params] * num_prompts
+    params = list(params)
+    if len(params) != num_prompts:
+        raise ValueError(f"got {len(params)} sampling params for {num_prompts} prompts")
+    return params

@@ -1,0 +1,57 @@
+"""The KV event stream: which block hashes each engine started and stopped caching.
+
+One Redis stream per service, `kvferry:<service>:kv_events`. Each entry is one batch from
+one engine process: `{pod, instance, evicted, stored}`, each hash list being the 32-byte
+hashes (`block_hash`) concatenated. `instance` names the engine process that published the
+entry; each process's first entry holds no hashes and says that this pod's prefix cache
+starts empty (a pod restarted under the same name lost its blocks). A reader applies an
+entry's `evicted` before its `stored`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvferry.protocol.block_hash import HASH_BYTES, BlockHash
+
+# The stream keeps about this many batches (a router starting late replays them).
+EVENT_STREAM_MAXLEN = 100_000
+
+
+def kv_events_key(service: str) -> str:
+    """The Redis stream of the service's KV events."""
+    return f"kvferry:{service}:kv_events"
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    """One entry of the stream."""
+
+    pod: str  # the pod's registry name
+    # The engine process (None from engines that predate instance ids).
+    instance: bytes | None
+    evicted: list[BlockHash]  # hashes the pod stopped holding, applied first
+    stored: list[BlockHash]  # hashes the pod started holding
+
+    def to_fields(self) -> dict[str, str | bytes]:
+        """The entry as XADD takes it."""
+        return {"pod": self.pod, "instance": self.instance or b"",
+                "evicted": b"".join(self.evicted), "stored": b"".join(self.stored)}
+
+    @classmethod
+    def from_fields(cls, fields: dict[bytes, bytes]) -> KVEventBatch:
+        """An entry as XREAD returns it; ValueError when it is not a KV event batch."""
+        pod = fields.get(b"pod")
+        if not pod:
+            raise ValueError("KV event without a pod")
+        return cls(pod=pod.decode(errors="replace"), instance=fields.get(b"instance") or None,
+                   evicted=split_hashes(fields.get(b"evicted", b"")),
+                   stored=split_hashes(fields.get(b"stored", b"")))
+
+
+def split_hashes(joined: bytes) -> list[BlockHash]:
+    """The hashes of a concatenated list; ValueError when its length is not whole hashes."""
+    if len(joined) % HASH_BYTES:
+        raise ValueError(f"KV event hash list of {len(joined)} bytes, not a multiple of "
+                         f"{HASH_BYTES}")
+    return [joined[i:i + HASH_BYTES] for i in range(0, len(joined), HASH_BYTES)]

@@ -1,0 +1,48 @@
+"""The pod registry in Redis: where each engine pod announces itself and its load.
+
+Each pod owns one key, `kvferry:<service>:pod:<pod>`, holding a JSON `PodRecord`. The key
+has a short TTL that the pod refreshes, so a pod that dies without a word disappears from
+the router's view within one TTL; a pod that stops cleanly deletes its key at once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+# A pod missing for this long is gone; it refreshes several times per TTL so that one slow
+# refresh (a busy event loop) does not drop it.
+REGISTRY_TTL_S = 3.0
+
+
+def pod_key_prefix(service: str) -> str:
+    """Keys of every pod of `service` start with this."""
+    return f"kvferry:{service}:pod:"
+
+
+@dataclass(frozen=True)
+class PodRecord:
+    """What the router knows of one engine pod (the JSON value of its registry key)."""
+
+    pod: str  # unique name of the pod (its hostname in Kubernetes)
+    service: str  # the InferenceService it serves
+    role: str  # both | prefill | decode | encoder
+    model: str  # the served model name clients send
+    url: str  # base URL of its OpenAI server, e.g. http://10.0.0.7:8000
+    block_size: int  # tokens per KV block (the router hashes prompts with it)
+    num_running: int  # requests the scheduler runs now
+    num_waiting: int  # requests queued for the scheduler
+    kv_cache_usage: float  # fraction of KV blocks in use, 0.0 - 1.0
+    updated_at: float  # time.time() of this record
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> PodRecord:
+        """Parses a registry value; ValueError when it is not a pod record."""
+        try:
+            fields = json.loads(raw)
+            return cls(**fields)
+        except (TypeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"not a pod record: {exc}") from None

@@ -1,0 +1,211 @@
+"""The operator/engine contract: every `kvferry serve` command line and environment the
+operator renders for an engine pod parses with the real `kvferry serve` parser."""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvferry.engine.arg_utils import engine_config_from_args
+from kvferry.engine.server.cli import check_supported, pod_environment, read_api_key
+from kvferry.kvtransfer.args import kv_transfer_config
+from kvferry.operator.render import render_children
+from kvferry.operator.spec import parse_spec
+from kvferry_testing.operator_factories import EXAMPLES, load_example, random_spec, service
+
+from kvferry.cli import build_parser
+
+# Per-step token budgets `kvferry serve` defaults to by role (README, --help).
+ROLE_BATCHED_TOKENS = {"both": 2048, "prefill": 8192, "decode": 512}
+
+
+def engine_containers(manifest: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, str]]]:
+    """(engine container, its ConfigMap's data) of every engine Deployment."""
+    children = render_children(parse_spec(manifest))
+    config_maps = {c.name: c.manifest["data"] for c in children if c.kind == "ConfigMap"}
+    out = []
+    for child in children:
+        if child.kind != "Deployment":
+            continue
+        for container in child.manifest["spec"]["template"]["spec"]["containers"]:
+            if container["name"] == "engine":
+                # The operator's own ConfigMap, beside any envFrom the spec passes through.
+                (data,) = [
+                    config_maps[ref["configMapRef"]["name"]]
+                    for ref in container["envFrom"]
+                    if ref.get("configMapRef", {}).get("name") in config_maps
+                ]
+                out.append((container, data))
+    return out
+
+
+def parse_serve(args: list[str]) -> argparse.Namespace:
+    assert args[:2] == ["kvferry", "serve"], args
+    argv = args[1:]
+    return build_parser(argv).parse_args(argv)
+
+
+def pod_env(container: dict[str, Any], config_map: dict[str, str]) -> dict[str, str]:
+    """The container's environment, secret and field references given stand-in values."""
+    env = dict(config_map)
+    for var in container["env"]:
+        env[var["name"]] = var.get("value", "10.0.0.7" if var["name"] == "POD_IP" else "secret")
+    return env
+
+
+def check_rendered(manifest: dict[str, Any]) -> int:
+    spec = parse_spec(manifest)
+    pods = engine_containers(manifest)
+    assert len(pods) == len(spec.pools)
+    for container, config_map in pods:
+        args = parse_serve(container["args"])
+        assert args.command == "serve"
+        assert args.role in ("both", "prefill", "decode", "encoder")
+        assert args.port == 8000 and args.host == "0.0.0.0"
+        assert args.served_model_name == spec.model.served_name
+        assert args.block_size == spec.engine.block_size
+        assert args.tensor_parallel_size == spec.engine.tensor_parallel_size
+        assert args.max_model_len == spec.model.max_model_len
+        assert args.enable_prompt_embeds == spec.engine.enable_prompt_embeds
+        assert args.enable_prefix_caching  # on unless --no-enable-prefix-caching
+        config = engine_config_from_args(args)  # the engine's own validation accepts them
+        # The spec's budget when it sets one, else the role's default.
+        assert config.scheduler.max_num_batched_tokens == (
+            spec.engine.max_num_batched_tokens or ROLE_BATCHED_TOKENS.get(args.role, 2048))
+        environment = pod_environment(pod_env(container, config_map))
+        assert environment.model_type == spec.model.type
+        assert environment.service == spec.name
+    return len(pods)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_every_example_renders_command_lines_serve_accepts(path: Path) -> None:
+    assert check_rendered(load_example(path)) >= 1
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_specs_render_command_lines_serve_accepts(seed: int) -> None:
+    assert check_rendered(service(random_spec(random.Random(seed)), name=f"svc{seed}")) >= 1
+
+
+def test_a_flag_serve_does_not_know_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        parse_serve(["kvferry", "serve", "--model", "demo", "--no-such-flag"])
+
+
+def test_role_defaults_to_the_pod_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVFERRY_ROLE", "decode")
+    assert parse_serve(["kvferry", "serve", "--model", "demo"]).role == "decode"
+    monkeypatch.delenv("KVFERRY_ROLE")
+    assert parse_serve(["kvferry", "serve", "--model", "demo"]).role == "both"
+
+
+def test_prefill_decode_and_both_run_encoder_not_yet() -> None:
+    base = ["kvferry", "serve", "--model", "demo"]
+    for role in ("both", "prefill", "decode"):
+        assert check_supported(parse_serve([*base, "--role", role])) is None
+    assert "encoder-decoder" in check_supported(parse_serve([*base, "--role", "encoder"]))
+    assert "--max-num-waiting" in check_supported(parse_serve([*base, "--max-num-waiting", "0"]))
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"KVFERRY_MODEL_TYPE": "seq2seq"}, "KVFERRY_MODEL_TYPE"),
+    ({"KVFERRY_NIXL_PORT": "port"}, "KVFERRY_NIXL_PORT must be an integer"),
+    ({"KVFERRY_NIXL_PORT": "70000"}, "[1, 65535]"),
+    ({"KVFERRY_KV_FAILURE_POLICY": "retry"}, "KVFERRY_KV_FAILURE_POLICY"),
+])
+def test_wrong_pod_environment_names_the_variable(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        pod_environment(env)
+
+
+def test_api_key_sources(tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    base = ["kvferry", "serve", "--model", "demo"]
+    assert read_api_key(parse_serve([*base, "--api-key", "k1"]), {}) == "k1"
+    assert read_api_key(parse_serve([*base, "--api-key-file", str(key_file)]), {}) == "s3cret"
+    assert read_api_key(parse_serve(base), {"KVFERRY_API_KEY": "k2"}) == "k2"
+    assert read_api_key(parse_serve(base), {}) is None
+    with pytest.raises(SystemExit):  # one source at a time
+        parse_serve([*base, "--api-key", "a", "--api-key-file", str(key_file)])
+
+
+def test_the_drain_timeout_comes_from_the_services_config_map(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    manifest = load_example(EXAMPLES[0])
+    manifest.setdefault("spec", {}).setdefault("engine", {})["drainSeconds"] = 45
+    container, config_map = engine_containers(manifest)[0]
+    assert config_map["KVFERRY_DRAIN_SECONDS"] == "45"
+    for name, value in pod_env(container, config_map).items():
+        monkeypatch.setenv(name, value)
+    assert parse_serve(container["args"]).drain_timeout == 45.0
+    monkeypatch.setenv("KVFERRY_DRAIN_SECONDS", "soon")
+    with pytest.raises(SystemExit):
+        parse_serve(container["args"])
+    assert "invalid float value: 'soon'" in capsys.readouterr().err
+
+
+def test_kv_transfer_config_per_role() -> None:
+    base = ["kvferry", "serve", "--model", "demo"]
+    both = parse_serve(base)
+    assert kv_transfer_config(both, None, None, None, None) is None
+    # The operator's side-channel port turns the connector on for a colocated pod too.
+    assert kv_transfer_config(both, 5600, None, None, None).side_channel_port == 5600
+    prefill = parse_serve([*base, "--role", "prefill", "--host", "0.0.0.0"])
+    config = kv_transfer_config(prefill, 5600, 12, "fail", "10.0.0.7")
+    assert (config.side_channel_host, config.advertise_host) == ("0.0.0.0", "10.0.0.7")
+    assert (config.lease_s, config.failure_policy, config.model_id) == (12, "fail", "demo")
+    decode = parse_serve([*base, "--role", "decode", "--kv-lease-seconds", "3",
+                          "--kv-failure-policy", "recompute"])
+    config = kv_transfer_config(decode, None, 12, "fail", None)
+    assert (config.side_channel_port, config.lease_s, config.failure_policy) == (0, 3, "recompute")
+    assert config.read_threads == 2
+    single = parse_serve([*base, "--role", "decode", "--kv-read-threads", "1"])
+    assert kv_transfer_config(single, None, None, None, None).read_threads == 1
+    with pytest.raises(ValueError, match="read_threads"):
+        kv_transfer_config(parse_serve([*base, "--role", "decode", "--kv-read-threads", "0"]),
+                           None, None, None, None)
+
+
+def batched_tokens(argv: list[str]) -> int:
+    return engine_config_from_args(parse_serve(argv)).scheduler.max_num_batched_tokens
+
+
+def test_role_defaults_apply_per_role_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = ["kvferry", "serve", "--model", "demo"]
+    monkeypatch.delenv("KVFERRY_ROLE", raising=False)
+    assert batched_tokens(base) == 2048
+    assert batched_tokens([*base, "--role", "both"]) == 2048
+    assert batched_tokens([*base, "--role", "prefill"]) == 8192
+    assert batched_tokens([*base, "--role", "decode"]) == 512
+    for role in ("both", "prefill", "decode"):
+        assert batched_tokens([*base, "--role", role, "--max-num-batched-tokens", "1000"]) == 1000
+        # Given before the role, too.
+        assert batched_tokens([*base, "--max-num-batched-tokens", "3000", "--role", role]) == 3000
+    # The role from the pod environment brings its defaults with it.
+    monkeypatch.setenv("KVFERRY_ROLE", "decode")
+    assert batched_tokens(base) == 512
+    assert batched_tokens([*base, "--role", "prefill"]) == 8192
+
+
+def test_help_lists_the_role_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_serve(["kvferry", "serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default by --role: both 2048, prefill 8192, decode 512" in text
+
+
+def test_rendered_pools_take_their_role_defaults_unless_the_spec_sets_a_budget() -> None:
+    manifest = load_example(next(p for p in EXAMPLES if p.stem == "demo"))
+    roles = {parse_serve(c["args"]).role: batched_tokens(c["args"])
+             for c, _ in engine_containers(manifest)}
+    assert roles == {"prefill": 8192, "decode": 512}
+    manifest["spec"]["engine"]["maxNumBatchedTokens"] = 4096
+    roles = {parse_serve(c["args"]).role: batched_tokens(c["args"])
+             for c, _ in engine_containers(manifest)}
+    assert roles == {"prefill": 4096, "decode": 4096}

@@ -1,0 +1,208 @@
+"""A stand-in engine pod that answers at once, for measuring and testing the router alone.
+
+`python -m kvferry_testing.fake_engine --port P [--role R --redis URL --service S]` serves
+/v1/completions and /v1/chat/completions (streamed or not) with a fixed three-token answer,
+registers in the pod registry like `kvferry serve`, and plays a prefill pod's part: given
+`kv_transfer_params: {"do_remote_decode": true}` it returns transfer params naming itself.
+`GET /fake/requests` lists the bodies it received; `POST /fake/behaviour` with
+`{"behaviour": "ok" | "refuse" | "invalid" | "cut" | "drop" | "hang" | "hold"}` makes it answer
+503, answer 400 as an engine refusing a bad request, cut streams after one chunk or before the
+first, never answer, or hold requests until the behaviour changes and then answer them. `POST /fake/cache` with `{"token_ids": [...]}` has it
+publish KV events as an engine whose prefix cache now holds that prompt's full blocks;
+`GET /fake/tokenize_calls` counts the /tokenize requests it answered, and
+`GET /fake/connections` the client connections its generation requests came on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+from typing import Any
+
+import uvicorn
+from kvferry.engine.core.messages import SchedulerStats
+from kvferry.engine.server.registry import PodRegistrar
+from starlette.types import Receive, Scope, Send
+
+from kvferry.protocol.block_hash import hash_request_blocks
+
+TOKENS = (" a", " b", " c")
+# Its 400, in the engine's shape, for the "invalid" behaviour.
+INVALID_ANSWER = {"error": {"message": "max_tokens: must be at most 16", "type":
+                            "invalid_request_error", "param": "max_tokens", "code": None}}
+# Tokens per KV block it registers with (the router hashes prompts by it).
+BLOCK_SIZE = 16
+
+
+class FakeEngine:
+    """A raw ASGI app (no framework) so its own cost stays far below the router's."""
+
+    def __init__(self, name: str, role: str) -> None:
+        self.name = name
+        self.role = role
+        self.behaviour = "ok"
+        self._behaviour_changed = asyncio.Event()
+        self.received: list[dict[str, Any]] = []
+        self.num_tokenize_calls = 0
+        # (host, port) of the connections generation requests came on.
+        self.connections: set[tuple[str, int]] = set()
+        # Set when it registers in Redis: its KV events go out through it.
+        self.registrar: PodRegistrar | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        if scope["path"].startswith("/v1/"):
+            self.connections.add(tuple(scope["client"]))  # type: ignore[arg-type]
+        await self._route(scope["method"], scope["path"], body, send)
+
+    async def _route(self, method: str, path: str, body: bytes, send: Send) -> None:
+        if path in ("/health", "/ping"):
+            await _send(send, 200, b"", "text/plain")
+        elif path == "/fake/requests":
+            await _send(send, 200, json.dumps(self.received).encode())
+        elif path == "/fake/behaviour":
+            self.behaviour = json.loads(body)["behaviour"]
+            self._behaviour_changed.set()
+            self._behaviour_changed = asyncio.Event()
+            await _send(send, 200, b"{}")
+        elif path == "/fake/cache":
+            await _send(send, *self._cache(json.loads(body)["token_ids"]))
+        elif path == "/fake/connections":
+            await _send(send, 200, json.dumps(len(self.connections)).encode())
+        elif path == "/fake/tokenize_calls":
+            await _send(send, 200, json.dumps(self.num_tokenize_calls).encode())
+        elif path == "/tokenize":
+            self.num_tokenize_calls += 1
+            prompt = json.loads(body).get("prompt") or ""
+            tokens = [len(word) for word in str(prompt).split()]
+            await _send(send, 200, json.dumps({"tokens": tokens, "count": len(tokens)}).encode())
+        elif path in ("/v1/completions", "/v1/chat/completions"):
+            await self._generate(path, json.loads(body), send)
+        else:
+            await _send(send, 404, b'{"error": {"message": "not found"}}')
+
+    def _cache(self, token_ids: list[int]) -> tuple[int, bytes]:
+        """Publishes `stored` KV events for the prompt's full blocks, hashed as the engine's
+        block pool hashes them, through the same registrar path an engine step takes."""
+        if self.registrar is None:
+            return 409, b'{"error": {"message": "not registered in Redis"}}'
+        hashes = hash_request_blocks(token_ids, BLOCK_SIZE, [])
+        self.registrar.record_stats(SchedulerStats(stored_block_hashes=hashes), None)
+        return 200, json.dumps({"num_blocks": len(hashes)}).encode()
+
+    async def _generate(self, path: str, body: dict[str, Any], send: Send) -> None:
+        if self.behaviour == "hold":
+            # A slow pod: the requests pile up, then all go on at once.
+            self.received.append(body)
+            await self._behaviour_changed.wait()
+            await self._answer(path, body, send)
+            return
+        if self.behaviour == "refuse":
+            await _send(send, 503, b'{"error": {"message": "refusing"}}')
+            return
+        if self.behaviour == "invalid":
+            self.received.append(body)
+            await _send(send, 400, json.dumps(INVALID_ANSWER).encode())
+            return
+        if self.behaviour == "hang":
+            # A stuck pod: the router's timeout must end the wait; a new behaviour ends it here.
+            await self._behaviour_changed.wait()
+            await _send(send, 503, b'{"error": {"message": "was stuck"}}')
+            return
+        self.received.append(body)
+        await self._answer(path, body, send)
+
+    async def _answer(self, path: str, body: dict[str, Any], send: Send) -> None:
+        chat = path.endswith("chat/completions")
+        if body.get("stream"):
+            await self._stream(chat, send)
+            return
+        await _send(send, 200, json.dumps(self._whole(chat, body)).encode())
+
+    def _whole(self, chat: bool, body: dict[str, Any]) -> dict[str, Any]:
+        remote = (body.get("kv_transfer_params") or {}).get("do_remote_decode")
+        text = "".join(TOKENS[:1] if remote else TOKENS)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        answer: dict[str, Any] = {
+            "id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion",
+            "created": 0, "model": "fake", "choices": [choice],
+            "usage": {"prompt_tokens": 4, "completion_tokens": len(text.split()),
+                      "total_tokens": 4 + len(text.split())},
+        }
+        if remote:
+            answer["kv_transfer_params"] = {
+                "do_remote_prefill": True, "remote_engine_id": self.name,
+                "remote_block_ids": [1, 2], "remote_request_id": "fake",
+                "remote_host": "127.0.0.1", "remote_port": 1}
+        return answer
+
+    async def _stream(self, chat: bool, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for i, token in enumerate(TOKENS):
+            if (self.behaviour, i) in (("cut", 1), ("drop", 0)):
+                raise ConnectionError("fake engine cut the stream")  # uvicorn drops the socket
+            delta = {"delta": {"content": token}} if chat else {"text": token}
+            chunk = {"id": "cmpl-fake", "choices": [{"index": 0, **delta}]}
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": b"data: " + json.dumps(chunk).encode() + b"\n\n"})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+async def _send(send: Send, status: int, body: bytes, content_type: str = "application/json"
+                ) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type.encode()),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _main(args: argparse.Namespace) -> None:
+    app = FakeEngine(args.name or os.environ.get("KVFERRY_POD_NAME") or f"fake-{args.port}",
+                     args.role)
+    registrar = None
+    if args.redis:
+        from kvferry.engine.server.registry import registration_settings
+
+        settings = registration_settings(args.redis, args.service, args.role, args.host,
+                                         args.port, None)
+        registrar = PodRegistrar(settings, "fake", block_size=BLOCK_SIZE)
+        registrar.start()
+        app.registrar = registrar
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            access_log=False, lifespan="off")
+    try:
+        from kvferry.router.app import CleanExitServer
+
+        await CleanExitServer(config).serve()
+    finally:
+        if registrar is not None:
+            await registrar.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--role", default="both")
+    parser.add_argument("--name", default=None)
+    parser.add_argument("--redis", default=None)
+    parser.add_argument("--service", default="default")
+    asyncio.run(_main(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
