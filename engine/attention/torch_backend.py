@@ -202,7 +202,9 @@ class TorchAttentionBackend(AttentionBackend):
         # Grouped-query attention without repeating keys: the query heads that share a kv
         # head become that head's "query positions".
         q = query[token_idx].view(num_decodes, num_kv_heads, -1, head_size)
-        valid = torch.arange(max_len)[None, :] < torch.from_numpy(seq_lens_np)[:, None]
+        # The mask is built where the queries live: a host-built mask would fail on a GPU.
+        seq_lens = torch.from_numpy(seq_lens_np).to(query.device, non_blocking=True)
+        valid = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
         out = F.scaled_dot_product_attention(
             q,
             keys.transpose(1, 2).to(q.dtype),  # (n, num_kv_heads, max_len, head_size)
