@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU check, run on the GPU machine from the repository root, with the wheels that
+# scripts/device_wheels.sh put in .whl/ carried along, for example:
+#
+#   device run: bash scripts/device_check.sh    (carry: .whl; timeout 540 s)
+#
+# It installs those wheels and kvferry itself (no dependencies: the machine's torch and
+# Triton stay) into a target folder, runs every test marked `gpu` and the GPU benchmarks,
+# and writes their logs to $OUT (or ./device-check-out). One run ends within 8 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/device-check-out}
+SITE=${KVFERRY_DEVICE_SITE:-/tmp/kvferry-site}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+{
+    nvidia-smi
+    python3 -c "import sys, torch, triton; print(sys.version); print('torch', torch.__version__, \
+'triton', triton.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+} >"$OUT/device.txt" 2>&1
+cat "$OUT/device.txt"
+
+rm -rf "$SITE"
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" . || exit 1
+export PYTHONPATH="$SITE"
+
+status=0
+# -P: the repository's own folders (kvferry/, operator/) must not shadow the installed package.
+mapfile -t GPU_TESTS < <(grep -rl --include='test_*.py' 'mark.gpu' tests | sort)
+timeout 360 python3 -P -m pytest -m gpu -q -p no:cacheprovider "${GPU_TESTS[@]}" 2>&1 \
+    | tee "$OUT/pytest_gpu.log" || status=1
+timeout 100 python3 -P benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log" || status=1
+echo "device check: exit $status"
+exit $status
