@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from kvferry.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvferry.engine.config import ATTENTION_BACKENDS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="tokens computed per step, prefill chunks and decodes together "
                             f"({_per_role_help('max_num_batched_tokens')})")
     group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    group.add_argument("--attention-backend", default="torch", choices=["torch"])
+    group.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                       help="triton: slot-mapped paged kernels; torch: the CPU path; auto "
+                            "(default): triton on a GPU, torch on CPU")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
 
 

@@ -13,6 +13,10 @@ from kvferry.kvtransfer.config import KVTransferConfig
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 
+# The choices of `attention_backend` (`--attention-backend`).
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -116,9 +120,17 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # Attention backend: "torch" (CPU path and reference) or "triton".
-    attention_backend: str = "torch"
+    # Attention backend: "triton" (slot-mapped paged kernels), "torch" (the CPU path and
+    # the reference), or "auto": Triton on a GPU, torch on CPU.
+    attention_backend: str = "auto"
     # "cpu", "cuda", or "auto" (cuda when available).
     device: str = "auto"
     # KV transfer between engines (prefill/decode disaggregation); None: colocated only.
     kv_transfer: KVTransferConfig | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+            f"got {self.attention_backend!r}",
+        )

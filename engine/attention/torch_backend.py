@@ -46,9 +46,13 @@ def write_kv_to_cache(
     kv_cache: KVCacheView,
     slot_mapping: torch.Tensor,  # (num_tokens,) int64
 ) -> None:
-    """Stores each token's key and value at its slot (`block * block_size + offset`)."""
+    """Stores each token's key and value at its slot (`block * block_size + offset`);
+    a negative slot (a padding row) writes nothing outside the null block."""
     key_cache, value_cache = kv_cache
     block_size = key_cache.shape[1]
+    # A negative slot marks a padding row: it goes to the null block (block 0, never read),
+    # so no real block is touched and no host sync is needed to drop it.
+    slot_mapping = slot_mapping.clamp(min=0)
     # The per-layer views are strided (layers sit between blocks), so slots cannot be
     # flattened into one axis; address them as (block, offset) pairs instead.
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")

@@ -37,7 +37,7 @@ class LLM:
         kv_cache_memory_bytes: int | None = None,
         gpu_memory_utilization: float = 0.9,
         num_gpu_blocks_override: int | None = None,
-        attention_backend: str = "torch",
+        attention_backend: str = "auto",
         device: str = "auto",
         served_model_name: str | None = None,
     ) -> None:

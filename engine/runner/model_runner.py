@@ -74,7 +74,7 @@ class ModelRunner:
         max_num_reqs: int,
         max_model_len: int,
         max_num_batched_tokens: int,
-        attention_backend: str = "torch",
+        attention_backend: str = "auto",
         transfer_memory: bool = False,
     ) -> None:
         self.arch = arch
@@ -84,7 +84,7 @@ class ModelRunner:
         self.block_size = cache.block_size
         if device.type == "cpu":
             keep_activation_memory()
-        self.attn_backend = get_attention_backend(attention_backend)
+        self.attn_backend = get_attention_backend(attention_backend, device)
         self.model = load_model(model_dir, dtype, self.attn_backend, device)
         self.kv_cache, self.kv_caches = self._allocate_kv_cache(num_blocks, dtype)
         self.input_batch = InputBatch(max_num_reqs, max_model_len, cache.block_size, device)

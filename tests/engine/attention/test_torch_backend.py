@@ -121,3 +121,22 @@ def test_length_buckets_group_similar_lengths_and_cover_every_row() -> None:
     # Too few rows to be worth splitting: one group, in the given order.
     assert [b.tolist() for b in _length_buckets(rows[:5], seq_lens)] == [[0, 1, 2, 3, 4]]
     assert _length_buckets(rows[:0], seq_lens) == []
+
+
+def test_a_padding_slot_writes_no_block_but_the_null_block() -> None:
+    from kvferry.engine.attention.torch_backend import write_kv_to_cache
+
+    torch.manual_seed(0)
+    # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]
+    cache = torch.randn(4, 2, 2, 4, 2, 8)
+    before = cache.clone()
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    write_kv_to_cache(key, value, (cache[:, 1, 0], cache[:, 1, 1]),
+                      torch.tensor([5, -1, 9]))
+    # Slot 5 is block 1, offset 1; slot 9 is block 2, offset 1 (layer 1 of the cache).
+    assert torch.equal(cache[1, 1, 0, 1], key[0]) and torch.equal(cache[2, 1, 1, 1], value[2])
+    touched = torch.zeros_like(cache, dtype=torch.bool)
+    touched[1, 1, :, 1] = True
+    touched[2, 1, :, 1] = True
+    touched[0] = True  # the padding row may land in the null block only
+    assert torch.equal(cache[~touched], before[~touched])

@@ -1,0 +1,377 @@
+"""Paged attention for a whole step's flat batch in one launch: prefill, chunked prefill
+over a cached prefix, and decode, causal or not.
+
+Request `i` owns query rows `query_start_loc[i]:query_start_loc[i + 1]` and attends over the
+first `seq_lens[i]` keys addressed by row `i` of `block_table` (key `k` lives at slot
+`(block_table[i, k // block_size], k % block_size)`). Causal: query `j` of a request sits at
+position `seq_lens[i] - query_len + j` and sees the keys up to it. Non-causal (encoder
+self-attention, cross-attention): every query sees all `seq_lens[i]` keys, however many
+queries there are; the block table is then the one of those keys.
+
+Work split: one program takes BLOCK_Q consecutive queries of one request and one kv head,
+together with all query heads that share that kv head (BLOCK_M = BLOCK_Q * GROUP rows), so
+each key tile is loaded once for the whole group. With split-KV (flash-decoding) a third
+grid axis cuts each request's keys into `num_splits` ranges; partial results (unnormalized
+output, running max, running sum) go to a scratch buffer that `split_kv.reduce_kv_splits`
+combines. That pays off when few requests with long contexts would leave most of the GPU
+idle.
+"""
+
+from __future__ import annotations
+
+import torch
+from kvferry.engine.attention.triton._attention_inputs import check_attention_inputs
+from kvferry.engine.attention.triton._runtime import (
+    check_device,
+    is_interpreted,
+    next_power_of_2,
+    require_triton,
+    tl,
+    triton,
+)
+from kvferry.engine.attention.triton.split_kv import (
+    allocate_partials,
+    choose_num_kv_splits,
+    reduce_kv_splits,
+)
+
+# Register budget per program of `_gpu_tiles`, in bytes of query rows plus keys times
+# head dims.
+TILE_BUDGET_BYTES = 24576
+# The kernel takes exponentials base 2 (exp2 is the hardware's): scores are scaled by
+# scale * log2(e) so that 2^(score) equals e^(scale * q.k).
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
+    # Request i owns grid blocks from query_start_loc[i] // BLOCK_Q + i on (see `_grid`):
+    # binary search for the last request whose first block is <= q_block.
+    # Annotated, so both bounds are int32 tensors even when num_seqs == 1 arrives as a
+    # compile-time constant.
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    # DOT_IN_FP32: Triton's interpreter multiplies bfloat16 operands as their raw 16-bit
+    # patterns, so there the products are formed in float32 (exact for bfloat16 inputs).
+    if DOT_IN_FP32:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a, b, input_precision=DOT_PRECISION)
+    return c
+
+
+@triton.jit
+def _attend_tiles(
+    q, acc, m_i, l_i, key_cache_ptr, value_cache_ptr, block_table_row_ptr,
+    tile_lo, tile_hi, kv_end, query_pos, kv_head, head_size, block_size, qk_scale,
+    stride_bt_block, stride_kc_block, stride_kc_offset, stride_kc_head,
+    stride_vc_block, stride_vc_offset, stride_vc_head,
+    BLOCK_D: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):
+    # q: (BLOCK_M, BLOCK_D); acc: (BLOCK_M, BLOCK_D) fp32; m_i, l_i: (BLOCK_M,) fp32, the
+    # running max (log2 units) and sum of the online softmax.
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < head_size
+    for tile in range(tile_lo, tile_hi):
+        keys = tile * TILE_N + tl.arange(0, TILE_N)  # (TILE_N,) key positions
+        key_valid = keys < kv_end  # never past seq_len: later table entries are the null block
+        block = tl.load(block_table_row_ptr + (keys // block_size) * stride_bt_block,
+                        mask=key_valid, other=0).to(tl.int64)
+        offset = keys % block_size
+        k_rows = block * stride_kc_block + offset * stride_kc_offset + kv_head * stride_kc_head
+        v_rows = block * stride_vc_block + offset * stride_vc_offset + kv_head * stride_vc_head
+        kt = tl.load(key_cache_ptr + k_rows[None, :] + dims[:, None],
+                     mask=key_valid[None, :] & dim_valid[:, None], other=0.0)  # (BLOCK_D, TILE_N)
+        v = tl.load(value_cache_ptr + v_rows[:, None] + dims[None, :],
+                    mask=key_valid[:, None] & dim_valid[None, :], other=0.0)  # (TILE_N, BLOCK_D)
+        s = _dot(q, kt, DOT_PRECISION, DOT_IN_FP32) * qk_scale  # (BLOCK_M, TILE_N)
+        visible = key_valid[None, :] & (keys[None, :] <= query_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen no key yet keeps max -inf; exp2(-inf - 0) = 0 avoids NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])  # (BLOCK_M, TILE_N)
+        alpha = tl.exp2(m_i - m_safe)  # (BLOCK_M,) rescales what was summed so far
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_IN_FP32)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _key_tile_range(seq_len, kv_end, split, num_splits, IS_SPLIT: tl.constexpr,
+                    TILE_N: tl.constexpr):
+    # Key tiles [lo, hi) of this program: all up to kv_end, or this split's share of them.
+    # Splits divide the whole sequence evenly, so under the causal mask a program may find
+    # its share empty (lo >= hi), and a row may see none of its share's keys; either way
+    # it writes max -inf and sum 0, which the reduction weighs as nothing.
+    lo = split * 0
+    hi = tl.cdiv(kv_end, TILE_N)
+    if IS_SPLIT:
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N), num_splits)
+        lo = split * tiles_per_split
+        hi = tl.minimum(lo + tiles_per_split, hi)
+    return lo, hi
+
+
+@triton.jit
+def _store_result(
+    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, acc, m_i, l_i,
+    token, head, split, row_valid, dim_valid, num_heads, num_splits,
+    stride_o_token, stride_o_head, IS_SPLIT: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    dims = tl.arange(0, BLOCK_D)
+    if IS_SPLIT:
+        # Scratch rows are (token, head, split), contiguous; BLOCK_D floats per row.
+        part = (token * num_heads + head) * num_splits + split  # (BLOCK_M,)
+        tl.store(partial_out_ptr + part[:, None] * BLOCK_D + dims[None, :], acc,
+                 mask=row_valid[:, None])
+        tl.store(partial_max_ptr + part, m_i, mask=row_valid)
+        tl.store(partial_sum_ptr + part, l_i, mask=row_valid)
+    else:
+        # A masked row has l = 0; dividing by 1 keeps it finite (it is not stored).
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_o_token + head[:, None] * stride_o_head
+                 + dims[None, :], out, mask=row_valid[:, None] & dim_valid[None, :])
+
+
+@triton.jit
+def _unified_attention_kernel(
+    # pointers
+    out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+    query_ptr, key_cache_ptr, value_cache_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
+    # sizes
+    qk_scale, num_seqs, num_heads, num_queries_per_kv, head_size, block_size, num_splits,
+    # strides
+    stride_q_token, stride_q_head, stride_o_token, stride_o_head,
+    stride_kc_block, stride_kc_offset, stride_kc_head,
+    stride_vc_block, stride_vc_offset, stride_vc_head,
+    stride_bt_seq, stride_bt_block,
+    # constexpr flags
+    CAUSAL: tl.constexpr, IS_SPLIT: tl.constexpr, BLOCK_Q: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP
+    q_block, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq = _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    query_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start
+    # This program's first query within its request.
+    q_offset = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if q_offset >= query_len:  # a spare block of the grid (see `_grid`)
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
+    # Row r holds query q_offset + r // GROUP of query head kv_head * num_queries_per_kv
+    # + r % GROUP; rows of padded group slots or past the request's end are masked.
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_offset + rows // GROUP  # (BLOCK_M,)
+    head = kv_head * num_queries_per_kv + rows % GROUP  # (BLOCK_M,)
+    row_valid = (q_idx < query_len) & (rows % GROUP < num_queries_per_kv)
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < head_size
+    token = q_start + q_idx  # (BLOCK_M,)
+    q = tl.load(query_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head
+                + dims[None, :], mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    if CAUSAL:
+        query_pos = seq_len - query_len + q_idx  # (BLOCK_M,) absolute positions
+        kv_end = tl.minimum(seq_len, seq_len - query_len + q_offset + BLOCK_Q)
+    else:
+        query_pos = tl.zeros([BLOCK_M], tl.int64) + seq_len - 1  # sees every key
+        kv_end = seq_len
+    tile_lo, tile_hi = _key_tile_range(seq_len, kv_end, split, num_splits, IS_SPLIT, TILE_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc, m_i, l_i = _attend_tiles(
+        q, acc, m_i, l_i, key_cache_ptr, value_cache_ptr,
+        block_table_ptr + seq.to(tl.int64) * stride_bt_seq, tile_lo, tile_hi, kv_end,
+        query_pos, kv_head, head_size, block_size, qk_scale,
+        stride_bt_block, stride_kc_block, stride_kc_offset, stride_kc_head,
+        stride_vc_block, stride_vc_offset, stride_vc_head,
+        BLOCK_D, TILE_N, DOT_PRECISION, DOT_IN_FP32,
+    )
+    _store_result(
+        out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, acc, m_i, l_i,
+        token, head, split, row_valid, dim_valid, num_heads, num_splits,
+        stride_o_token, stride_o_head, IS_SPLIT, BLOCK_D,
+    )
+
+
+def _launch_config(
+    query: torch.Tensor, num_kv_heads: int, max_query_len: int
+) -> dict[str, int | str | bool | None]:
+    """The kernel's constexprs and warps: BLOCK_Q queries by GROUP heads per program,
+    TILE_N keys per step, BLOCK_D padded head dims, and how the dots run."""
+    num_heads, head_size = query.shape[1:]
+    interpreted = is_interpreted(_unified_attention_kernel)
+    group = next_power_of_2(num_heads // num_kv_heads)
+    block_d = max(16, next_power_of_2(head_size))
+    if interpreted:
+        # The interpreter pays per operation, not per element: few, large tiles.
+        rows, tile_n = (64 if max_query_len * group >= 32 else 16), 32
+    else:
+        rows, tile_n = _gpu_tiles(group, block_d, max_query_len, query.element_size())
+    return {
+        "BLOCK_Q": max(1, rows // group),
+        "GROUP": group,
+        "BLOCK_D": block_d,
+        "TILE_N": tile_n,
+        # float32 attention stays float32 (no TF32) to match the torch path; half types
+        # take the target's default.
+        "DOT_PRECISION": "ieee" if query.dtype == torch.float32 else None,
+        "DOT_IN_FP32": interpreted and query.dtype == torch.bfloat16,
+        "num_warps": 8,
+    }
+
+
+def _gpu_tiles(
+    group: int, block_d: int, max_query_len: int, element_size: int
+) -> tuple[int, int]:
+    """(BLOCK_M, TILE_N) for a GPU: the largest that keep a program's query tile and its
+    gathered key/value pointers in registers.
+
+    Each key of a tile is gathered through the block table, so the K and V tiles need a
+    pointer per element; past about TILE_BUDGET_BYTES of (query rows + keys) x head dims
+    per program (8 warps), ptxas spills (its register reports for sm_90, Triton 3.9).
+    """
+    budget = TILE_BUDGET_BYTES // element_size
+    # tl.dot needs 16 rows; a program of many queries amortizes each key tile (prefill).
+    rows = max(64 if max_query_len * group >= 64 else 16, group)
+    while rows > max(16, group) and block_d * (rows + 16) > budget:
+        rows //= 2
+    tile_n = 64
+    while tile_n > 16 and block_d * (tile_n + rows) > budget:
+        tile_n //= 2
+    return rows, tile_n
+
+
+def _grid(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """Programs along the query axis: every request gets its own blocks of BLOCK_Q queries.
+
+    Request i's blocks start at `query_start_loc[i] // BLOCK_Q + i`. Worked example with
+    BLOCK_Q 4 and query lengths [5, 1, 6] (starts 0, 5, 6): request 0 starts at 0 and needs
+    2 blocks, request 1 starts at 5 // 4 + 1 = 2 and needs 1, request 2 starts at
+    6 // 4 + 2 = 3 and needs 2; 12 // 4 + 3 = 6 blocks cover them, one of them spare (its
+    program finds its request already covered and returns).
+    """
+    return num_tokens // block_q + num_seqs
+
+
+def unified_attention(
+    query: torch.Tensor,  # (num_tokens, num_heads, head_size)
+    key_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size), strided
+    value_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size), strided
+    query_start_loc: torch.Tensor,  # (num_seqs + 1,) int32
+    seq_lens: torch.Tensor,  # (num_seqs,) int32: keys of each request
+    block_table: torch.Tensor,  # (num_seqs, max_num_blocks) int32
+    scale: float,
+    *,
+    causal: bool = True,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    num_kv_splits: int | None = None,
+    out: torch.Tensor | None = None,  # (num_tokens, num_heads, head_size)
+) -> torch.Tensor:  # (num_tokens, num_heads, head_size)
+    """Attention of every query of the flat batch over its request's paged keys.
+
+    `query` holds exactly the batch's tokens (`query_start_loc[-1] == num_tokens`); query
+    head `h` reads kv head `h // (num_heads // num_kv_heads)`. `max_query_len` and
+    `max_seq_len` only plan the launch; pass them (the host knows them) to avoid a device
+    sync. `num_kv_splits`: None picks split-KV by `choose_num_kv_splits`, 1 never splits,
+    n > 1 splits every request's keys into n ranges. Raises ValueError before launch on
+    unsupported shapes, dtypes (query and caches must share float32/float16/bfloat16),
+    head sizes over 256 or a cache whose last dimension is not contiguous.
+    """
+    require_triton()
+    check_attention_inputs(
+        query, key_cache, value_cache, query_start_loc, seq_lens, block_table, out
+    )
+    if num_kv_splits is not None and num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be None or >= 1, got {num_kv_splits}")
+    out = torch.empty_like(query) if out is None else out
+    check_device(
+        _unified_attention_kernel, query=query, key_cache=key_cache, value_cache=value_cache,
+        query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table, out=out,
+    )
+    num_tokens, num_heads, head_size = query.shape
+    num_seqs, num_kv_heads = seq_lens.shape[0], key_cache.shape[2]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if num_kv_splits is None:
+        max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_query_len, max_seq_len)
+    tiles = _launch_config(query, num_kv_heads, max_query_len)
+    is_split = num_kv_splits > 1
+    partials = (
+        allocate_partials(num_tokens, num_heads, num_kv_splits, tiles["BLOCK_D"], query.device)
+        if is_split else (out, out, out)  # unused: the kernel writes `out` directly
+    )
+    grid = (_grid(num_tokens, num_seqs, tiles["BLOCK_Q"]), num_kv_heads, num_kv_splits)
+    _unified_attention_kernel[grid](
+        out, *partials, query, key_cache, value_cache, query_start_loc, seq_lens, block_table,
+        scale * LOG2_E, num_seqs, num_heads, num_heads // num_kv_heads, head_size,
+        key_cache.shape[1], num_kv_splits,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_table.stride(0), block_table.stride(1),
+        CAUSAL=causal, IS_SPLIT=is_split, **tiles,
+    )
+    if is_split:
+        reduce_kv_splits(*partials, out)
+    return out
+
+
+def unified_attention_reference(
+    query: torch.Tensor,  # (num_tokens, num_heads, head_size)
+    key_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size)
+    value_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size)
+    query_start_loc: torch.Tensor,  # (num_seqs + 1,)
+    seq_lens: torch.Tensor,  # (num_seqs,)
+    block_table: torch.Tensor,  # (num_seqs, max_num_blocks)
+    scale: float,
+    *,
+    causal: bool = True,
+) -> torch.Tensor:  # (num_tokens, num_heads, head_size)
+    """Plain-torch `unified_attention`: per request, gather its keys and attend densely.
+
+    Computes in float32 (float64 for float64 inputs) and returns the query's dtype.
+    """
+    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    out = torch.empty_like(query)
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        start, end = starts[i], starts[i + 1]
+        positions = torch.arange(seq_len, device=query.device)  # (seq_len,)
+        blocks = block_table[i, positions // block_size].long()
+        offsets = positions % block_size
+        k = key_cache[blocks, offsets].to(compute).repeat_interleave(group, dim=1)
+        v = value_cache[blocks, offsets].to(compute).repeat_interleave(group, dim=1)
+        q = query[start:end].to(compute)  # (query_len, num_heads, head_size)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # (num_heads, query_len, seq_len)
+        if causal:
+            query_pos = seq_len - (end - start) + torch.arange(end - start, device=query.device)
+            visible = positions[None, :] <= query_pos[:, None]  # (query_len, seq_len)
+            scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return out
