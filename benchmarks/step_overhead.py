@@ -104,7 +104,6 @@ class HostRunner:
         runner.input_batch = InputBatch(MAX_NUM_SEQS, MAX_MODEL_LEN, BLOCK_SIZE, runner.device)
         runner.buffers = InputBuffers.allocate(MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS)
         runner.requests = {}
-        runner._generators = {}
         runner.arch = _ArchStub(VOCAB_SIZE)
         self.runner = runner
 

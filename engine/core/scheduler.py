@@ -116,7 +116,7 @@ class Scheduler:
         del self.requests[request.request_id]
         self._min_tokens.discard(request.request_id)
         # Always reported, wherever the request was: a request preempted and then aborted
-        # while waiting has no row but may still have runner state (a seeded generator).
+        # while waiting has no row but may still have runner state (its cached state).
         self.finished_req_ids.add(request.request_id)
         return params
 

@@ -26,9 +26,8 @@ class NewRequestData:
     block_ids: list[int]
     # Tokens already in the cache (prefix-cache hits) before this step.
     num_computed_tokens: int
-    # Back after preemption: the runner keeps per-request state it holds (the seeded
-    # generator continues). A request that is not resumed always starts fresh, even if an
-    # earlier request had the same id.
+    # Back after preemption (its output so far is in token_ids; a seeded request's noise
+    # continues from its output length, so it samples what it would have unpreempted).
     is_resumed: bool = False
 
 

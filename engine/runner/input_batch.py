@@ -24,8 +24,6 @@ class CachedRequestState:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    # Seeded requests draw from their own generator, so batching never changes their output.
-    generator: torch.Generator | None
     output_token_ids: list[int]
     block_ids: list[int]
     # As of when the row was last (re)built; while in the batch, the row's count is live.

@@ -92,9 +92,6 @@ class ModelRunner:
         self.sampler = Sampler()
         # Every request the runner knows, in the batch or not (unscheduled this step).
         self.requests: dict[str, CachedRequestState] = {}
-        # Seeded generators by request; they outlive preemption (see _generator_for) and
-        # go when the scheduler reports the request finished.
-        self._generators: dict[str, torch.Generator] = {}
 
     def _allocate_kv_cache(
         self, num_blocks: int, dtype: torch.dtype
@@ -159,7 +156,6 @@ class ModelRunner:
                 req_id=new.req_id,
                 prompt_token_ids=new.token_ids[: new.num_prompt_tokens],
                 sampling_params=new.sampling_params,
-                generator=self._generator_for(new.req_id, new.sampling_params.seed, new.is_resumed),
                 output_token_ids=new.token_ids[new.num_prompt_tokens :],
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
@@ -187,25 +183,10 @@ class ModelRunner:
         state.num_computed_tokens = cached.num_computed_tokens[i]
         return self.input_batch.add_request(state)
 
-    def _generator_for(
-        self, req_id: str, seed: int | None, is_resumed: bool
-    ) -> torch.Generator | None:
-        # A request resumed after preemption keeps its generator, so its samples do not
-        # depend on whether it was preempted; any other request starts a fresh one.
-        if is_resumed and req_id in self._generators:
-            return self._generators[req_id]
-        if seed is None:
-            self._generators.pop(req_id, None)
-            return None
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        self._generators[req_id] = generator
-        return generator
-
     def _forget_requests(self, req_ids: set[str]) -> None:
         """Drops everything kept for finished requests (rows are removed by the caller)."""
         for req_id in req_ids:
             self.requests.pop(req_id, None)
-            self._generators.pop(req_id, None)
 
     def recover_from_failed_step(self, failed_req_ids: list[str]) -> None:
         """Returns to a consistent state after `execute_model` raised.
@@ -219,8 +200,8 @@ class ModelRunner:
 
     @property
     def num_tracked_requests(self) -> int:
-        """Requests with runner state (rows, cached states or generators); 0 when idle."""
-        return len(self.requests.keys() | self._generators.keys())
+        """Requests with runner state (rows or cached states); 0 when idle."""
+        return len(self.requests)
 
     def _attention_metadata(self, prepared: PreparedInputs) -> AttentionMetadata:
         num_reqs = prepared.seq_lens.shape[0]
@@ -240,7 +221,6 @@ class ModelRunner:
 
     def _sampling_metadata(self, rows: list[int], so: SchedulerOutput) -> SamplingMetadata:
         states = [self.input_batch.states[row] for row in rows]
-        generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
         blocked = {
             i: so.blocked_stop_token_ids[s.req_id]
             for i, s in enumerate(states)
@@ -250,7 +230,6 @@ class ModelRunner:
             params=[s.sampling_params for s in states],
             output_token_ids=[s.output_token_ids for s in states],
             prompt_token_ids=[s.prompt_token_ids for s in states],
-            generators=generators,
             stop_token_ids_to_block=blocked,
             vocab_size=self.arch.vocab_size,
             device=self.device,

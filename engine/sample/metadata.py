@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from kvferry.engine.sample.seeded_noise import as_int64_seed
 from kvferry.engine.sampling_params import SamplingParams
 
 
@@ -39,8 +40,12 @@ class SamplingMetadata:
     max_top_k: int
     # (num_rows,) float32 min-p per row (0.0 = off); None when no row uses min-p.
     min_p: torch.Tensor | None
-    # Row -> that request's own seeded generator; other rows draw from the default one.
-    generators: dict[int, torch.Generator]
+    # (num_seeded,) int64 rows of seeded requests, their seeds (as int64 bit patterns) and
+    # how many tokens each has sampled before this step: their noise is a function of
+    # these (seeded_noise.py). None when no random row is seeded.
+    seeded_rows: torch.Tensor | None
+    seeds: torch.Tensor | None
+    seed_steps: torch.Tensor | None
     # Most logprobs any row asked for (0 = only the sampled token's); None when no row asked.
     max_num_logprobs: int | None
     # No row has a presence, frequency or repetition penalty.
@@ -65,7 +70,6 @@ class SamplingMetadata:
         params: list[SamplingParams],
         output_token_ids: list[list[int]],
         prompt_token_ids: list[list[int]],
-        generators: dict[int, torch.Generator],
         stop_token_ids_to_block: dict[int, list[int]],
         vocab_size: int,
         device: torch.device,
@@ -73,13 +77,12 @@ class SamplingMetadata:
         """Build the metadata for rows `0..len(params)-1`.
 
         `output_token_ids[i]` and `prompt_token_ids[i]` are row i's tokens so far (read only
-        when a penalty needs them); `generators` maps a row to its seeded generator, kept by
-        the engine across steps; `stop_token_ids_to_block` maps a row to the token ids (EOS
+        when a penalty needs them; a seeded row's output length is also its noise counter);
+        `stop_token_ids_to_block` maps a row to the token ids (EOS
         and stop_token_ids) it must not sample yet because min_tokens is not reached.
         """
         num_rows = len(params)
         _check_row_lists(num_rows, output_token_ids, prompt_token_ids)
-        _check_row_keys("generators", generators, num_rows)
         _check_row_keys("stop_token_ids_to_block", stop_token_ids_to_block, num_rows)
         greedy = [p.is_greedy for p in params]
         all_greedy = all(greedy)
@@ -97,7 +100,9 @@ class SamplingMetadata:
             top_k=None,
             max_top_k=0,
             min_p=None,
-            generators=dict(generators),
+            seeded_rows=None,
+            seeds=None,
+            seed_steps=None,
             max_num_logprobs=max(logprob_counts) if logprob_counts else None,
             no_penalties=True,
             presence_penalties=None,
@@ -110,9 +115,23 @@ class SamplingMetadata:
         )
         if not all_greedy:
             metadata._fill_random(params, greedy, device)
+            metadata._fill_seeds(params, greedy, output_token_ids, device)
         if any(p.has_penalties for p in params):
             metadata._fill_penalties(params, output_token_ids, prompt_token_ids, device)
         return metadata
+
+    def _fill_seeds(
+        self, params: list[SamplingParams], greedy: list[bool],
+        output_token_ids: list[list[int]], device: torch.device,
+    ) -> None:
+        rows = [i for i, (p, g) in enumerate(zip(params, greedy)) if p.seed is not None and not g]
+        if not rows:
+            return
+        seeds = [as_int64_seed(params[i].seed) for i in rows]  # type: ignore[arg-type]
+        steps = [len(output_token_ids[i]) for i in rows]
+        # One host-to-device copy for the three (rows, seeds, steps).
+        packed = torch.tensor([rows, seeds, steps], dtype=torch.int64).to(device)
+        self.seeded_rows, self.seeds, self.seed_steps = packed[0], packed[1], packed[2]
 
     def _fill_random(
         self, params: list[SamplingParams], greedy: list[bool], device: torch.device

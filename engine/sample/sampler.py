@@ -7,7 +7,8 @@ Order of processing (vLLM's):
 3. greedy rows take the argmax of these logits;
 4. the other rows are divided by their temperature, filtered by min-p, top-k and top-p,
    and sampled by the exponential race: argmax(probs / E) with E ~ Exponential(1) per
-   token, which picks token i with probability probs[i] without a cumulative sum.
+   token, which picks token i with probability probs[i] without a cumulative sum; a
+   seeded row's E is a function of its seed and step (seeded_noise.py).
 
 Logprobs, when asked for, are the log-softmax of the raw logits (before any of the above).
 The input logits are never modified.
@@ -21,6 +22,7 @@ import torch
 from kvferry.engine.sample.filters import apply_min_p, apply_top_k_top_p
 from kvferry.engine.sample.metadata import SamplingMetadata
 from kvferry.engine.sample.penalties import apply_penalties, block_tokens
+from kvferry.engine.sample.seeded_noise import seeded_exponential_noise
 
 
 @dataclass
@@ -91,46 +93,30 @@ class Sampler(torch.nn.Module):
             logits = apply_min_p(logits, metadata.min_p)
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.max_top_k, metadata.top_p)
         probs = logits.softmax(dim=-1)
-        sampled = exponential_race(probs, metadata.generators)
+        sampled = exponential_race(probs, metadata)
         if greedy is None:
             return sampled
         return torch.where(metadata.is_greedy, greedy, sampled)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_race(probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """(num_rows,) int64: argmax(probs / E), E ~ Exponential(1) i.i.d. per entry.
 
     probs[i] / E_i is the reciprocal of an exponential with rate probs[i], so the argmax is
     the first arrival of competing exponential clocks: token i wins with probability probs[i].
-    A row in `generators` draws its whole noise row from that generator alone, so a seeded
-    request consumes the same random numbers (and gets the same tokens) whatever else is in
-    the batch. Generators on another device (CPU generators for GPU logits)
-    draw there, all such rows in one buffer that is copied over once; they must share
-    one device.
+    Unseeded rows draw their noise from the default generator; seeded rows get theirs from
+    `seeded_exponential_noise`, all of them in one pass, so a seeded request's tokens are
+    the same whatever else is in the batch.
     """
-    num_rows = probs.shape[0]
     noise = torch.empty_like(probs)  # (num_rows, vocab_size)
-    if len(generators) < num_rows:
+    rows = metadata.seeded_rows
+    if rows is None or rows.numel() < probs.shape[0]:
         noise.exponential_()
-    remote_rows = [row for row, gen in generators.items() if gen.device != probs.device]
-    for row, generator in generators.items():
-        if generator.device == probs.device:
-            noise[row].exponential_(generator=generator)
-    if remote_rows:
-        noise[remote_rows] = _draw_remote_noise(probs, remote_rows, generators)
+    if rows is not None:
+        assert metadata.seeds is not None and metadata.seed_steps is not None
+        seeded = seeded_exponential_noise(metadata.seeds, metadata.seed_steps, probs.shape[1])
+        noise[rows] = seeded.to(probs.dtype)
     return (probs / noise).argmax(dim=-1)
-
-
-def _draw_remote_noise(
-    probs: torch.Tensor, rows: list[int], generators: dict[int, torch.Generator]
-) -> torch.Tensor:
-    """(len(rows), vocab_size) noise drawn on each generator's device, moved in one copy."""
-    vocab_size = probs.shape[1]
-    device = generators[rows[0]].device
-    noise = torch.empty(len(rows), vocab_size, dtype=probs.dtype, device=device)
-    for index, row in enumerate(rows):
-        noise[index].exponential_(generator=generators[row])
-    return noise.to(probs.device)
 
 
 def compute_logprobs(

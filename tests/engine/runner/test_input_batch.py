@@ -25,7 +25,6 @@ def make_state(
         req_id=req_id,
         prompt_token_ids=prompt_token_ids,
         sampling_params=SamplingParams(),
-        generator=None,
         output_token_ids=output_token_ids or [],
         block_ids=list(block_ids),
         num_computed_tokens=num_computed_tokens,

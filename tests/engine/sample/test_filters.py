@@ -1,7 +1,6 @@
 import math
 
 import torch
-
 from kvferry.engine.sample.filters import apply_min_p, apply_top_k_top_p
 
 INF = float("-inf")

@@ -2,7 +2,6 @@ import re
 
 import pytest
 import torch
-
 from kvferry.engine.sample.metadata import SamplingMetadata
 from kvferry.engine.sampling_params import SamplingParams
 
@@ -14,14 +13,12 @@ def build(
     params: list[SamplingParams],
     outputs: list[list[int]] | None = None,
     prompts: list[list[int]] | None = None,
-    generators: dict[int, torch.Generator] | None = None,
     block: dict[int, list[int]] | None = None,
 ) -> SamplingMetadata:
     return SamplingMetadata.build(
         params=params,
         output_token_ids=outputs if outputs is not None else [[] for _ in params],
         prompt_token_ids=prompts if prompts is not None else [[1] for _ in params],
-        generators=generators or {},
         stop_token_ids_to_block=block or {},
         vocab_size=VOCAB,
         device=CPU,
@@ -103,10 +100,6 @@ def test_blocked_pairs_are_flattened_in_row_order() -> None:
     [
         ({"outputs": [[]]}, "output_token_ids must have one list per row (2), got 1"),
         ({"prompts": [[1]] * 3}, "prompt_token_ids must have one list per row (2), got 3"),
-        (
-            {"generators": {2: torch.Generator()}},
-            "generators has row 2, but rows must be in [0, 2)",
-        ),
         ({"block": {-1: [1]}}, "stop_token_ids_to_block has row -1, but rows must be in [0, 2)"),
         (
             {"block": {0: [VOCAB]}},

@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from kvferry.engine.sample.penalties import apply_penalties, block_tokens, token_counts
 
 VOCAB = 5

@@ -2,9 +2,9 @@ import math
 
 import pytest
 import torch
-
 from kvferry.engine.sample.metadata import SamplingMetadata
-from kvferry.engine.sample.sampler import Sampler, SamplerOutput, _draw_remote_noise
+from kvferry.engine.sample.sampler import Sampler, SamplerOutput
+from kvferry.engine.sample.seeded_noise import seeded_exponential_noise
 from kvferry.engine.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -15,27 +15,17 @@ def make_logits(num_rows: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(num_rows, vocab_size, generator=generator) * 3.0
 
 
-def seeded_generators(params: list[SamplingParams]) -> dict[int, torch.Generator]:
-    return {
-        row: torch.Generator().manual_seed(p.seed)
-        for row, p in enumerate(params)
-        if p.seed is not None
-    }
-
-
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     outputs: list[list[int]] | None = None,
     prompts: list[list[int]] | None = None,
-    generators: dict[int, torch.Generator] | None = None,
     block: dict[int, list[int]] | None = None,
 ) -> SamplerOutput:
     metadata = SamplingMetadata.build(
         params=params,
         output_token_ids=outputs if outputs is not None else [[] for _ in params],
         prompt_token_ids=prompts if prompts is not None else [[] for _ in params],
-        generators=generators if generators is not None else seeded_generators(params),
         stop_token_ids_to_block=block or {},
         vocab_size=logits.shape[1],
         device=CPU,
@@ -111,14 +101,14 @@ def test_temperature_scales_entropy() -> None:
 def run_steps(
     params: list[SamplingParams], row_of_interest: int, num_steps: int, vocab_size: int = 1000
 ) -> list[int]:
-    """Sample `num_steps` steps with flat logits, keeping the generators across steps."""
-    generators = seeded_generators(params)
+    """Sample `num_steps` steps with flat logits, each row's outputs growing as it samples."""
     logits = torch.zeros(len(params), vocab_size)
-    tokens = []
+    outputs: list[list[int]] = [[] for _ in params]
     for _ in range(num_steps):
-        out = sample(logits, params, generators=generators)
-        tokens.append(int(out.sampled_token_ids[row_of_interest]))
-    return tokens
+        out = sample(logits, params, outputs=outputs)
+        for row, token in enumerate(out.sampled_token_ids.tolist()):
+            outputs[row].append(token)
+    return outputs[row_of_interest]
 
 
 def test_seeded_row_is_reproducible_alone_and_in_any_batch() -> None:
@@ -225,7 +215,7 @@ def test_sampler_leaves_input_logits_unchanged() -> None:
 
 
 def test_sampler_rejects_mismatched_logits() -> None:
-    metadata = SamplingMetadata.build([SamplingParams()], [[]], [[]], {}, {}, 10, CPU)
+    metadata = SamplingMetadata.build([SamplingParams()], [[]], [[]], {}, 10, CPU)
     with pytest.raises(ValueError, match=r"^logits have 2 rows, but metadata.num_rows is 1$"):
         Sampler()(torch.zeros(2, 10), metadata)
     message = r"^logits have 11 columns, but metadata.vocab_size is 10$"
@@ -233,9 +223,31 @@ def test_sampler_rejects_mismatched_logits() -> None:
         Sampler()(torch.zeros(1, 11), metadata)
 
 
-def test_noise_drawn_off_device_equals_the_generators_own_stream() -> None:
-    generators = {0: torch.Generator().manual_seed(11), 2: torch.Generator().manual_seed(12)}
-    noise = _draw_remote_noise(torch.zeros(3, 50), [2, 0], generators)
-    expected_2 = torch.empty(50).exponential_(generator=torch.Generator().manual_seed(12))
-    expected_0 = torch.empty(50).exponential_(generator=torch.Generator().manual_seed(11))
-    assert torch.equal(noise, torch.stack([expected_2, expected_0]))
+def test_seeded_noise_is_a_function_of_seed_step_and_token_alone() -> None:
+    seeds = torch.tensor([5, 5, -3, 2**62], dtype=torch.int64)
+    steps = torch.tensor([0, 1, 0, 9], dtype=torch.int64)
+    batch = seeded_exponential_noise(seeds, steps, 300)
+    # Row by row, in another order, with another vocabulary width: the same numbers.
+    for row in (3, 0, 2, 1):
+        alone = seeded_exponential_noise(seeds[row : row + 1], steps[row : row + 1], 500)
+        assert torch.equal(alone[0, :300], batch[row])
+    assert not torch.equal(batch[0], batch[1])  # the step moves the stream on
+
+
+def test_seeded_noise_is_exponential_with_rate_one() -> None:
+    noise = seeded_exponential_noise(torch.arange(4), torch.zeros(4, dtype=torch.int64), 250_000)
+    assert bool((noise > 0).all())
+    for row in noise:
+        assert abs(float(row.mean()) - 1.0) < 0.01
+        assert abs(float(row.var()) - 1.0) < 0.02
+        # P(E > 2) = e^-2
+        assert abs(float((row > 2).float().mean()) - math.exp(-2)) < 0.003
+
+
+def test_seeded_rows_sample_their_probabilities() -> None:
+    """Many seeds over one distribution: token frequencies follow the probabilities."""
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])
+    logits = probs.log().expand(20_000, 5).contiguous()
+    params = [SamplingParams(seed=seed) for seed in range(20_000)]
+    counts = torch.bincount(sample(logits, params).sampled_token_ids, minlength=5).float()
+    assert torch.allclose(counts / 20_000, probs, atol=0.01), counts / 20_000

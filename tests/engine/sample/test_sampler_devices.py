@@ -4,7 +4,6 @@ host tensor mixed into the step fails as it would on a GPU."""
 from __future__ import annotations
 
 import torch
-
 from kvferry.engine.sample import Sampler, SamplingMetadata
 from kvferry.engine.sampling_params import SamplingParams
 
@@ -21,7 +20,7 @@ def test_greedy_random_filters_penalties_logprobs_and_blocked_ids_stay_on_device
     ]
     metadata = SamplingMetadata.build(
         params, output_token_ids=[[1, 2], [3], [4, 4, 5], []],
-        prompt_token_ids=[[7, 8], [9], [1], [2]], generators={},
+        prompt_token_ids=[[7, 8], [9], [1], [2]],
         stop_token_ids_to_block={3: [2]}, vocab_size=64, device=META)
 
     out = Sampler()(torch.empty(4, 64, device=META), metadata)
