@@ -8,6 +8,7 @@ the Dockerfile names.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from image_files import build_context, build_wheel, create_venv, dockerfile_extras  # noqa: E402
+from processes import Process, start  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -34,3 +36,20 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def image_bin(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """bin/ of a fresh virtual environment holding what the image holds."""
     return create_venv(tmp_path_factory.mktemp("image") / "venv", wheel, dockerfile_extras())
+
+
+@pytest.fixture
+def launch(tmp_path: Path) -> Iterator[Callable[..., Process]]:
+    """launch(name, command, env, port=None, cwd=None) -> a started Process; each one is
+    stopped, with its whole process group, when the test ends."""
+    started: list[Process] = []
+
+    def launch_(name: str, command: Sequence[str], env: Mapping[str, str], port: int | None = None,
+                cwd: Path | None = None) -> Process:
+        process = start(name, command, env, tmp_path, port=port, cwd=cwd)
+        started.append(process)
+        return process
+
+    yield launch_
+    for process in reversed(started):
+        process.stop()

@@ -8,6 +8,7 @@ the wheel the image installs from that copy.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -30,6 +32,7 @@ DEMO_SERVICE = ROOT / "examples" / "demo.yaml"
 TORCH_PIN = "torch==2.13.0"
 WHEEL_BUILD_TIMEOUT_S = 300
 VENV_INSTALL_TIMEOUT_S = 900
+RUNTIME_FILES_SCRIPT = Path(__file__).with_name("runtime_files.py")
 
 
 # --- Dockerfile ---------------------------------------------------------------------------
@@ -221,9 +224,11 @@ def build_context(dest: Path) -> Path:
 def build_wheel(context: Path, out_dir: Path) -> Path:
     """`pip wheel --no-deps .` in the build context; the path of the kvferry wheel."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    # Never run `python -m` from a tree with kvferry's top-level `operator/` folder in the
+    # working directory: it would shadow the standard library's `operator`.
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", ".", "-w", str(out_dir)],
-        cwd=context, capture_output=True, text=True, timeout=WHEEL_BUILD_TIMEOUT_S,
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", str(context), "-w", str(out_dir)],
+        cwd=out_dir, capture_output=True, text=True, timeout=WHEEL_BUILD_TIMEOUT_S,
     )
     if done.returncode != 0:
         raise AssertionError(f"pip wheel failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
@@ -237,19 +242,32 @@ def create_venv(venv: Path, wheel: Path, extras: set[str]) -> Path:
     torch is pinned by a constraint (the local CPU build), as the image pins its own
     build by installing torch from its index before the project.
     """
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120, cwd=venv.parent)
     constraints = venv / "constraints.txt"
     constraints.write_text(TORCH_PIN + "\n")
     requirement = f"{wheel}[{','.join(sorted(extras))}]"
     done = subprocess.run(
         [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-c", str(constraints), requirement],
-        capture_output=True, text=True, timeout=VENV_INSTALL_TIMEOUT_S,
+        capture_output=True, text=True, timeout=VENV_INSTALL_TIMEOUT_S, cwd=venv,
         env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
     )
     if done.returncode != 0:
         raise AssertionError(f"pip install {requirement} failed ({done.returncode}):\n"
                              f"{done.stdout}\n{done.stderr}")
     return venv / "bin"
+
+
+def runtime_files(python: str | Path) -> dict[str, Any]:
+    """runtime_files.py's report, run by `python` (the interpreter of the environment to inspect).
+
+    It runs from this folder, never from the repository root, so an installed package is not
+    shadowed by the source tree.
+    """
+    done = subprocess.run([str(python), str(RUNTIME_FILES_SCRIPT)], capture_output=True,
+                          text=True, timeout=300, cwd=RUNTIME_FILES_SCRIPT.parent)
+    if done.returncode != 0:
+        raise AssertionError(f"{RUNTIME_FILES_SCRIPT.name} failed under {python}:\n{done.stderr}")
+    return json.loads(done.stdout)
 
 
 # --- README and CI ----------------------------------------------------------------------------

@@ -7,8 +7,6 @@ constants (runtime_files.py), so a new one is covered without editing this test.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -16,19 +14,10 @@ from typing import Any
 
 import pytest
 
-from image_files import ROOT
+from image_files import ROOT, runtime_files
 
-RUNTIME_FILES_SCRIPT = Path(__file__).parent / "runtime_files.py"
 # Sources of native kernels, compiled where they run (the CPU kernel on first use).
 KERNEL_SOURCE_SUFFIXES = (".c", ".h", ".cu", ".cuh")
-
-
-def runtime_files(python: str | Path) -> dict[str, Any]:
-    """runtime_files.py's report, run by `python` (the environment to inspect)."""
-    done = subprocess.run([str(python), str(RUNTIME_FILES_SCRIPT)], capture_output=True,
-                          text=True, timeout=300, cwd=RUNTIME_FILES_SCRIPT.parent)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
 
 
 def wheel_files(wheel: Path) -> set[str]:
