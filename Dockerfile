@@ -23,9 +23,18 @@ ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    HF_HOME=/cache \
-    KVFERRY_CACHE=/cache/kvferry
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+# Pods run with a read-only root filesystem: everything written at run time goes to /cache
+# (compiled kernels, the demo checkpoint, hub downloads, Triton's, CUDA's and
+# torch.compile's caches, any ~/.cache fallback) or /tmp. The operator sets the same
+# variables in every engine pod (operator/render_pools.py, cache_env) and mounts both;
+# tests/image/ checks that they agree and that a pod writes nowhere else.
+ENV HF_HOME=/cache/huggingface \
+    KVFERRY_CACHE=/cache/kvferry \
+    XDG_CACHE_HOME=/cache \
+    TRITON_CACHE_DIR=/cache/triton \
+    CUDA_CACHE_PATH=/cache/cuda \
+    TORCHINDUCTOR_CACHE_DIR=/cache/torchinductor
 
 # A C compiler for the native CPU decode-attention kernel, built on first use (without
 # one the engine falls back to plain torch on CPU).

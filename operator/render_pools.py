@@ -123,12 +123,21 @@ def cache_volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], lis
 
 
 def cache_env() -> list[dict[str, Any]]:
-    """Where the engine and the libraries it uses keep files: all under /cache."""
+    """Where the engine and the libraries it uses keep files: all under /cache.
+
+    The image sets the same values (a container started without the operator writes where a
+    pod does); the defaults would be under $HOME, on the read-only root filesystem.
+    """
     return [
         {"name": "HF_HOME", "value": HUB_CACHE},
         {"name": "KVFERRY_CACHE", "value": f"{CACHE_MOUNT}/kvferry"},
         {"name": "XDG_CACHE_HOME", "value": CACHE_MOUNT},
         {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_MOUNT}/triton"},
+        # The CUDA driver's cache of kernels compiled from PTX (a GPU newer than a library's
+        # prebuilt code); unwritable, every process would compile them again.
+        {"name": "CUDA_CACHE_PATH", "value": f"{CACHE_MOUNT}/cuda"},
+        # torch.compile's cache defaults to /tmp, which is small and private to the pod.
+        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{CACHE_MOUNT}/torchinductor"},
     ]
 
 
