@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvferry.operator.images import engine_image
 from kvferry.operator.labels import (
     HTTP_PORT,
     NIXL_PORT,
@@ -151,7 +152,7 @@ def _engine_container(spec: InferenceServiceSpec, pool: PoolSpec, ctx: PodContex
     _, writable_mounts = cache_volumes(spec)
     container = {
         "name": "engine",
-        "image": spec.engine.image,
+        "image": engine_image(spec, pool),
         "imagePullPolicy": spec.engine.image_pull_policy,
         "args": serve_args(spec, pool, ctx.redis_url),
         "ports": [
