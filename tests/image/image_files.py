@@ -33,6 +33,10 @@ TORCH_PIN = "torch==2.13.0"
 WHEEL_BUILD_TIMEOUT_S = 300
 VENV_INSTALL_TIMEOUT_S = 900
 RUNTIME_FILES_SCRIPT = Path(__file__).with_name("runtime_files.py")
+# What kvferry.engine.attention.cpu_kernels logs when it compiles and loads the kernel,
+# and when it cannot (then decode attention quietly takes the slow path).
+KERNEL_BUILT = "built the CPU paged decode kernel"
+KERNEL_UNAVAILABLE = "CPU decode kernel unavailable"
 
 
 # --- Dockerfile ---------------------------------------------------------------------------
@@ -87,7 +91,8 @@ def dockerfile_env() -> dict[str, str]:
 def dockerfile_user() -> int:
     """The uid the image creates (`useradd --uid N`) and runs as (`USER N`)."""
     stage = final_stage()
-    created = [int(m.group(1)) for line in stage for m in re.finditer(r"useradd\b.*?--uid[= ](\d+)", line)]
+    useradd = re.compile(r"useradd\b.*?--uid[= ](\d+)")
+    created = [int(m.group(1)) for line in stage for m in useradd.finditer(line)]
     users = [line.split()[1] for line in stage if line.split()[0].upper() == "USER"]
     if len(created) != 1 or not users or users[-1] != str(created[0]):
         raise AssertionError(f"the image should create one user by uid and run as it: "
@@ -95,7 +100,8 @@ def dockerfile_user() -> int:
     return created[0]
 
 
-# A requirement naming the project with extras: `.[a,b]`, `kvferry[a]`, `"$(ls .../kvferry-*.whl)[a]"`.
+# A requirement naming the project with extras: `.[a,b]`, `kvferry[a]`,
+# `"$(ls .../kvferry-*.whl)[a]"`.
 _PROJECT_WITH_EXTRAS = re.compile(r"""(?:kvferry[^\s"'\[]*|(?<![\w/])\.)\[([\w,\s-]+)\]""")
 
 
@@ -242,12 +248,14 @@ def create_venv(venv: Path, wheel: Path, extras: set[str]) -> Path:
     torch is pinned by a constraint (the local CPU build), as the image pins its own
     build by installing torch from its index before the project.
     """
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120, cwd=venv.parent)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120,
+                   cwd=venv.parent)
     constraints = venv / "constraints.txt"
     constraints.write_text(TORCH_PIN + "\n")
     requirement = f"{wheel}[{','.join(sorted(extras))}]"
     done = subprocess.run(
-        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-c", str(constraints), requirement],
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-c", str(constraints),
+         requirement],
         capture_output=True, text=True, timeout=VENV_INSTALL_TIMEOUT_S, cwd=venv,
         env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
     )

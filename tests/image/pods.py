@@ -40,13 +40,15 @@ class Pod:
 
     def writable_mounts(self) -> list[str]:
         """Mount paths of the container's writable volumes (emptyDirs and claims not read-only)."""
-        return [m["mountPath"] for m in self.container.get("volumeMounts", []) if not m.get("readOnly")]
+        mounts = self.container.get("volumeMounts", [])
+        return [m["mountPath"] for m in mounts if not m.get("readOnly")]
 
     def literal_env(self) -> dict[str, str]:
         """The container's `env` entries with a literal value (no Secret or field reference)."""
         return {e["name"]: e["value"] for e in self.container.get("env", []) if "value" in e}
 
-    def environment(self, children: dict[str, dict[str, Any]], supplied: dict[str, str]) -> dict[str, str]:
+    def environment(self, children: dict[str, dict[str, Any]],
+                    supplied: dict[str, str]) -> dict[str, str]:
         """The process environment in the container: image ENV < envFrom < env.
 
         `supplied` gives the values of `valueFrom` entries (Secrets, the downward API).
@@ -61,7 +63,7 @@ class Pod:
             elif entry["name"] in supplied:
                 env[entry["name"]] = supplied[entry["name"]]
             else:
-                raise AssertionError(f"{self.name}: no value supplied for {entry['name']} ({entry})")
+                raise AssertionError(f"{self.name}: no value given for {entry['name']} ({entry})")
         return env
 
     def args(self, env: dict[str, str]) -> list[str]:

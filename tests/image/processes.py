@@ -45,7 +45,8 @@ class Process:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
+                raise AssertionError(
+                    f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}{path}", timeout=2).status_code == 200:
                     return

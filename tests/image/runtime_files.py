@@ -26,7 +26,8 @@ from typing import Any
 
 # The subpackages setup.py maps from top-level folders; walking one covers its subpackages,
 # and in an installed wheel they all lie under `kvferry/` anyway.
-SUBPACKAGES = ("kvferry", "kvferry.engine", "kvferry.kvtransfer", "kvferry.router", "kvferry.operator")
+SUBPACKAGES = ("kvferry", "kvferry.engine", "kvferry.kvtransfer", "kvferry.router",
+               "kvferry.operator")
 
 
 def _roots() -> dict[str, str]:
@@ -37,7 +38,7 @@ def _roots() -> dict[str, str]:
             package = importlib.import_module(name)
         except ModuleNotFoundError:
             continue
-        roots[name] = os.path.abspath(list(package.__path__)[0])
+        roots[name] = os.path.abspath(next(iter(package.__path__)))
     return roots
 
 

@@ -18,7 +18,8 @@ IMAGE_EXTRA = "image"
 # blocks between engine pods (kvtransfer), `kvferry operator` (operator).
 POD_EXTRAS = {"serve", "kvtransfer", "operator"}
 # Only tests use these; an image that carries them is larger and no better.
-TEST_TOOLING = {"pytest", "pytest-asyncio", "hypothesis", "kmock", "kubernetes-validate", "matplotlib"}
+TEST_TOOLING = {"pytest", "pytest-asyncio", "hypothesis", "kmock", "kubernetes-validate",
+                "matplotlib"}
 # Beside the image's extras, a development set-up adds the test tooling, nothing else.
 DEVELOPMENT_EXTRAS = {"test"}
 
@@ -55,7 +56,8 @@ def test_the_readme_quick_start_installs_what_the_image_installs() -> None:
 
 def test_every_project_install_in_the_readme_and_ci_names_the_image_extras() -> None:
     blocks = "\n".join(shell_blocks(README.read_text()))
-    installs = {"README": _project_installs(blocks), ".ci/run": _project_installs(CI_RUN.read_text())}
+    installs = {"README": _project_installs(blocks),
+                ".ci/run": _project_installs(CI_RUN.read_text())}
     assert installs["README"] and installs[".ci/run"]
     wrong = {where: extras for where, found in installs.items() for extras in found
              if extras - DEVELOPMENT_EXTRAS != dockerfile_extras()}

@@ -16,16 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from image_files import runtime_files
+from image_files import KERNEL_BUILT, KERNEL_UNAVAILABLE, runtime_files
 from processes import Process, clean_env, free_port
 
 pytestmark = pytest.mark.slow
-
-# What kvferry.engine.attention.cpu_kernels logs when it compiles and loads the kernel,
-# and when it cannot (then decode attention silently takes the slow path).
-KERNEL_BUILT = "built the CPU paged decode kernel"
-KERNEL_UNAVAILABLE = "CPU decode kernel unavailable"
-
 
 def test_every_module_imports_and_every_file_it_loads_is_installed(image_bin: Path) -> None:
     installed = runtime_files(image_bin / "python")

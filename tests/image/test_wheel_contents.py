@@ -44,7 +44,9 @@ def test_the_source_tree_names_its_runtime_files(source_report: dict[str, Any]) 
     assert missing == [], f"constants naming files that do not exist: {missing}"
 
 
-def test_the_wheel_ships_every_file_the_code_loads(wheel: Path, source_report: dict[str, Any]) -> None:
+def test_the_wheel_ships_every_file_the_code_loads(
+    wheel: Path, source_report: dict[str, Any]
+) -> None:
     shipped = wheel_files(wheel)
     for constant in source_report["constants"]:
         path = constant["wheel_path"]

@@ -1,4 +1,4 @@
-"""The image each pod runs: the CUDA image for pools that request GPUs, unless the spec names one."""
+"""The image each pod runs: the CUDA image in pools that request GPUs, unless the spec names one."""
 
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ def test_the_default_images_are_this_release() -> None:
 
 def test_cpu_pools_and_the_router_run_the_cpu_image() -> None:
     demo = next(p for p in EXAMPLES if p.stem == "demo")
-    assert images(load_example(demo)) == {"demo-prefill": DEFAULT_IMAGE, "demo-decode": DEFAULT_IMAGE,
-                                          "demo-router": DEFAULT_IMAGE}
+    assert images(load_example(demo)) == {
+        "demo-prefill": DEFAULT_IMAGE, "demo-decode": DEFAULT_IMAGE, "demo-router": DEFAULT_IMAGE}
 
 
 def test_pools_that_request_gpus_run_the_cuda_image() -> None:
