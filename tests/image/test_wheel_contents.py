@@ -34,11 +34,11 @@ def source_report() -> dict[str, Any]:
 def test_the_source_tree_names_its_runtime_files(source_report: dict[str, Any]) -> None:
     report = source_report
     assert report["import_failures"] == {}
-    named = {c["constant"]: c for c in report["constants"]}
-    # The two known today; the scan must find them, or it finds nothing at all.
-    assert named["kvferry.engine.attention.cpu_kernels.SOURCE"]["wheel_path"] == \
-        "kvferry/engine/attention/csrc/paged_decode.c"
-    assert named["kvferry.operator.schema._DEFAULT_CRD"]["wheel_path"] == \
+    # The two known today (the CPU kernel's source, the CRD) must be found, or the scan
+    # finds nothing at all; matched by file name, wherever their modules move.
+    names = {c["wheel_path"].rpartition("/")[2]: c["wheel_path"] for c in report["constants"]}
+    assert names["paged_decode.c"].startswith("kvferry/engine/")
+    assert names["inferenceservices.kvferry.dev.yaml"] == \
         "kvferry/operator/crds/inferenceservices.kvferry.dev.yaml"
     missing = [c["constant"] for c in report["constants"] if not c["exists"]]
     assert missing == [], f"constants naming files that do not exist: {missing}"
