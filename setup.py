@@ -31,10 +31,20 @@ def _packages() -> tuple[list[str], dict[str, str]]:
     return packages, package_dir
 
 
+# Files loaded at run time that are not Python modules: without these patterns they are in
+# the source tree (and an editable install) but not in the wheel the image installs. Kernel
+# sources are compiled where they run (the CPU decode kernel on first use), so every C and
+# CUDA source under engine/ ships.
+PACKAGE_DATA = {
+    "kvferry": ["py.typed"],
+    "kvferry.engine": ["**/*.c", "**/*.h", "**/*.cu", "**/*.cuh"],
+    "kvferry.operator": ["crds/*.yaml"],
+}
+
 packages, package_dir = _packages()
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={"kvferry": ["py.typed"], "kvferry.operator": ["crds/*.yaml"]},
+    package_data=PACKAGE_DATA,
     include_package_data=True,
 )

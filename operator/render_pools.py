@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvferry.operator.images import engine_image
 from kvferry.operator.labels import (
     HTTP_PORT,
     NIXL_PORT,
@@ -123,12 +124,21 @@ def cache_volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], lis
 
 
 def cache_env() -> list[dict[str, Any]]:
-    """Where the engine and the libraries it uses keep files: all under /cache."""
+    """Where the engine and the libraries it uses keep files: all under /cache.
+
+    The image sets the same values (a container started without the operator writes where a
+    pod does); the defaults would be under $HOME, on the read-only root filesystem.
+    """
     return [
         {"name": "HF_HOME", "value": HUB_CACHE},
         {"name": "KVFERRY_CACHE", "value": f"{CACHE_MOUNT}/kvferry"},
         {"name": "XDG_CACHE_HOME", "value": CACHE_MOUNT},
         {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_MOUNT}/triton"},
+        # The CUDA driver's cache of kernels compiled from PTX (a GPU newer than a library's
+        # prebuilt code); unwritable, every process would compile them again.
+        {"name": "CUDA_CACHE_PATH", "value": f"{CACHE_MOUNT}/cuda"},
+        # torch.compile's cache defaults to /tmp, which is small and private to the pod.
+        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{CACHE_MOUNT}/torchinductor"},
     ]
 
 
@@ -142,7 +152,7 @@ def _engine_container(spec: InferenceServiceSpec, pool: PoolSpec, ctx: PodContex
     _, writable_mounts = cache_volumes(spec)
     container = {
         "name": "engine",
-        "image": spec.engine.image,
+        "image": engine_image(spec, pool),
         "imagePullPolicy": spec.engine.image_pull_policy,
         "args": serve_args(spec, pool, ctx.redis_url),
         "ports": [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvferry.operator.images import router_image
 from kvferry.operator.labels import (
     HTTP_PORT,
     child_name,
@@ -70,7 +71,7 @@ def render_router_deployment(spec: InferenceServiceSpec, ctx: PodContext) -> dic
         mounts.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
     container: dict[str, Any] = {
         "name": "router",
-        "image": spec.engine.image,
+        "image": router_image(spec),
         "imagePullPolicy": spec.engine.image_pull_policy,
         "args": router_args(spec, ctx.redis_url),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],

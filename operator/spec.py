@@ -52,7 +52,7 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    image: str
+    image: str | None  # None: this release's CPU or CUDA image, per pool (operator/images.py)
     image_pull_policy: str
     image_pull_secrets: tuple[str, ...]  # Secret names in the service's namespace
     block_size: int  # tokens per KV block
@@ -246,7 +246,7 @@ def _model(m: dict[str, Any], name: str) -> ModelSpec:
 
 def _engine(e: dict[str, Any]) -> EngineSpec:
     return EngineSpec(
-        image=e["image"],
+        image=e.get("image"),
         image_pull_policy=e["imagePullPolicy"],
         image_pull_secrets=tuple(e.get("imagePullSecrets", ())),
         block_size=e["blockSize"],

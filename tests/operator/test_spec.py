@@ -35,7 +35,7 @@ def test_defaults_are_applied() -> None:
     assert spec.name == spec.model.served_name == "svc"
     assert spec.namespace == "team-a"
     assert (spec.model.type, spec.model.dtype, spec.model.max_model_len) == ("decoder-only", "auto", None)
-    assert spec.engine.image == "ghcr.io/kvferry/kvferry:0.1.0"
+    assert spec.engine.image is None  # each pod gets the release's CPU or CUDA image
     assert (spec.engine.block_size, spec.engine.enable_prefix_caching) == (16, True)
     decode = spec.pools["decode"]
     assert (decode.role, decode.replicas) == ("both", 1)
