@@ -7,22 +7,12 @@ the Dockerfile names.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from image_files import build_context, build_wheel, create_venv, dockerfile_extras  # noqa: E402
-from processes import Process, start  # noqa: E402
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "slow: builds the image's environment (a fresh virtual environment); "
-                   "minutes, not seconds")
+from kvferry_testing.image_files import build_context, build_wheel, create_venv, dockerfile_extras
+from kvferry_testing.image_processes import Process, start
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from image_files import (
+from kvferry_testing.image_files import (
     CI_RUN,
     README,
     dockerfile_extras,

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from image_files import KERNEL_BUILT, KERNEL_UNAVAILABLE, runtime_files
-from processes import Process, clean_env, free_port
+from kvferry_testing.image_files import KERNEL_BUILT, KERNEL_UNAVAILABLE, runtime_files
+from kvferry_testing.image_processes import Process, clean_env, free_port
 
 pytestmark = pytest.mark.slow
 

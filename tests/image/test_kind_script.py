@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 import subprocess
 
-from image_files import DEMO_SERVICE, KIND_SCRIPT
 from kvferry.operator.images import DEFAULT_IMAGE
-from pods import pods, rendered
+from kvferry_testing.image_files import DEMO_SERVICE, KIND_SCRIPT
+from kvferry_testing.image_pods import pods, rendered
 
 
 def script_image() -> str:

@@ -10,9 +10,8 @@ from __future__ import annotations
 import os
 
 import pytest
-
-from image_files import DEMO_SERVICE, dockerfile_env, dockerfile_user
-from pods import Pod, pods, rendered, under
+from kvferry_testing.image_files import DEMO_SERVICE, dockerfile_env, dockerfile_user
+from kvferry_testing.image_pods import Pod, pods, rendered, under
 
 # The writable volumes of an engine pod: scratch space, the cache, shared memory.
 ENGINE_MOUNTS = {"/tmp", "/cache", "/dev/shm"}

@@ -2,7 +2,7 @@
 
 Each pod of examples/demo.yaml (prefill, decode, router) runs from the image's environment
 with its rendered arguments and environment (the image's ENV, the ConfigMap, its `env`), on
-a filesystem made read-only except for its writable volumes (sandbox.py), each volume a
+a filesystem made read-only except for its writable volumes (kvferry_testing/sandbox.py), each volume a
 directory of its own. A request long enough for the prefill hop goes through the router, so
 the decode pod pulls KV blocks over NIXL. Any write outside the volumes fails with EROFS,
 so a pod that serves, compiles its kernel and logs no write error wrote only there.
@@ -26,16 +26,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import kvferry_testing.sandbox
 import pytest
-
-from image_files import DEMO_SERVICE, KERNEL_BUILT, KERNEL_UNAVAILABLE
-from pods import Pod, pods, rendered
-from processes import Process, clean_env, free_port, start
-from sandbox import UNAVAILABLE, unshare_command
+from kvferry_testing.image_files import DEMO_SERVICE, KERNEL_BUILT, KERNEL_UNAVAILABLE
+from kvferry_testing.image_pods import Pod, pods, rendered
+from kvferry_testing.image_processes import Process, clean_env, free_port, start
+from kvferry_testing.sandbox import UNAVAILABLE, unshare_command
 
 pytestmark = pytest.mark.slow
 
-SANDBOX = Path(__file__).with_name("sandbox.py")
+SANDBOX = Path(kvferry_testing.sandbox.__file__)
 REDIS_PASSWORD = "pod-filesystem-test"
 WRITE_ERRORS = ("Read-only file system", "Permission denied", KERNEL_UNAVAILABLE)
 # Longer than the router's prefill threshold (256 tokens): the request takes the prefill hop.

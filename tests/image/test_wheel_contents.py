@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from image_files import ROOT, runtime_files
+from kvferry_testing.image_files import ROOT, runtime_files
 
 # Sources of native kernels, compiled where they run (the CPU kernel on first use).
 KERNEL_SOURCE_SUFFIXES = (".c", ".h", ".cu", ".cuh")

@@ -7,13 +7,13 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-
-import kvferry
-from chart import CHART
 from kvferry.operator.images import DEFAULT_GPU_IMAGE, DEFAULT_IMAGE
 from kvferry.operator.render import render_children
 from kvferry.operator.spec import parse_spec
-from operator_factories import EXAMPLES, load_example, minimal, service
+from kvferry_testing.chart import CHART
+from kvferry_testing.operator_factories import EXAMPLES, load_example, minimal, service
+
+import kvferry
 
 K8S_VERSION = "1.30"
 GPU_POOL = {"replicas": 1, "resources": {"limits": {"nvidia.com/gpu": 2}}}

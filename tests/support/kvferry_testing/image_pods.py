@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from image_files import dockerfile_env
 from kvferry.operator.render import render_children
 from kvferry.operator.spec import parse_spec
+
+from kvferry_testing.image_files import dockerfile_env
 
 
 def rendered(service: Path) -> dict[str, dict[str, Any]]:
