@@ -48,16 +48,24 @@ class EngineCore:
         self.arch = ModelArchConfig.from_pretrained(self.model_dir)
         self.max_model_len = resolve_max_model_len(model_cfg.max_model_len, self.arch)
         self.dtype = resolve_dtype(model_cfg.dtype, self.arch, self.device)
-        num_blocks = determine_num_blocks(self.arch, cache_cfg, self.dtype, self.device)
-        check_kv_cache_fits(num_blocks, cache_cfg, self.max_model_len, self.device)
         sched_cfg.max_model_len = self.max_model_len
         self.runner = ModelRunner(
-            self.model_dir, self.arch, self.dtype, self.device, cache_cfg, num_blocks,
+            self.model_dir, self.arch, self.dtype, self.device, cache_cfg,
             max_num_reqs=sched_cfg.max_num_seqs, max_model_len=self.max_model_len,
             max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
             attention_backend=config.attention_backend,
             transfer_memory=config.kv_transfer is not None,
         )
+        # The weights are loaded: on a GPU, a profiling step of the largest size tells
+        # what the KV cache may take (memory_profile.py).
+        gpu_budget = (
+            None if cache_cfg.num_gpu_blocks_override is not None
+            else self.runner.measure_kv_cache_budget(
+                cache_cfg.gpu_memory_utilization, sched_cfg.max_num_seqs)
+        )
+        num_blocks = determine_num_blocks(self.arch, cache_cfg, self.dtype, gpu_budget)
+        check_kv_cache_fits(num_blocks, cache_cfg, self.max_model_len, self.device)
+        self.runner.initialize_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching
         )

@@ -47,12 +47,15 @@ def resolve_dtype(
     """Turns a `--dtype` value into a torch dtype.
 
     "auto" (or None) means float32 on a CPU, where half-precision matmuls are slow, and
-    the checkpoint's own dtype (float32 if unstated) on an accelerator.
+    the checkpoint's own half-precision dtype on an accelerator, bfloat16 for a float32 (or
+    unstated) one: float32 would halve the throughput and the KV cache for no gain in
+    serving quality.
     """
     if name is None or name == "auto":
         if device is None or device.type == "cpu":
             return torch.float32
-        return _DTYPES.get(arch.torch_dtype or "float32", torch.float32)
+        stored = _DTYPES.get(arch.torch_dtype or "float32", torch.float32)
+        return torch.bfloat16 if stored == torch.float32 else stored
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; supported: auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]

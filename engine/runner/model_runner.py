@@ -19,6 +19,7 @@ from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.models.loader import load_model
 from kvferry.engine.runner.cpu_malloc import keep_activation_memory
 from kvferry.engine.runner.input_batch import CachedRequestState, InputBatch
+from kvferry.engine.runner.memory_profile import measure_gpu_kv_cache_budget
 from kvferry.engine.runner.prepare_inputs import InputBuffers, PreparedInputs, prepare_inputs
 from kvferry.engine.sample.metadata import SamplingMetadata
 from kvferry.engine.sample.sampler import Sampler, SamplerOutput
@@ -39,18 +40,17 @@ def kv_cache_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dt
 
 
 def determine_num_blocks(
-    arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device
+    arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype, gpu_budget: int | None
 ) -> int:
-    """Blocks (the null block included) that fit the configured memory budget."""
+    """Blocks (the null block included) that fit the memory budget: `gpu_budget` bytes (what
+    profiling left on a GPU), else the configured CPU budget."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        budget = int(total * cache.gpu_memory_utilization) - used
+    if gpu_budget is not None:
+        budget = gpu_budget
     else:
         budget = cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
-    num_blocks = budget // kv_cache_block_bytes(arch, cache.block_size, dtype)
+    num_blocks = max(0, budget) // kv_cache_block_bytes(arch, cache.block_size, dtype)
     if num_blocks < 2:
         raise ValueError(
             f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of "
@@ -70,7 +70,6 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         cache: CacheConfig,
-        num_blocks: int,
         max_num_reqs: int,
         max_model_len: int,
         max_num_batched_tokens: int,
@@ -86,19 +85,42 @@ class ModelRunner:
             keep_activation_memory()
         self.attn_backend = get_attention_backend(attention_backend, device)
         self.model = load_model(model_dir, dtype, self.attn_backend, device)
-        self.kv_cache, self.kv_caches = self._allocate_kv_cache(num_blocks, dtype)
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # Allocated by `initialize_kv_cache`, once its size is known.
+        self.kv_cache = torch.empty(0, dtype=dtype, device=device)
+        self.kv_caches: list[KVCacheView] = []
         self.input_batch = InputBatch(max_num_reqs, max_model_len, cache.block_size, device)
         self.buffers = InputBuffers.allocate(max_num_batched_tokens, max_num_reqs)
         self.sampler = Sampler()
         # Every request the runner knows, in the batch or not (unscheduled this step).
         self.requests: dict[str, CachedRequestState] = {}
 
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        # Blocks outermost, so one block is one contiguous region across all layers.
+        arch = self.arch
+        return (num_blocks, arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_size)
+
+    def measure_kv_cache_budget(self, utilization: float, max_num_seqs: int) -> int | None:
+        """On a GPU, the KV cache budget in bytes after a profiling step of the largest
+        size (memory_profile.py); None on CPU, where the budget is configured."""
+        if self.device.type != "cuda":
+            return None
+        return measure_gpu_kv_cache_budget(
+            self.model, self.arch.vocab_size, self.max_num_batched_tokens, max_num_seqs,
+            self.max_model_len, self.block_size, self.kv_cache_shape(1), self.dtype,
+            self.device, utilization,
+        )
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_cache, self.kv_caches = self._allocate_kv_cache(num_blocks, self.dtype)
+
     def _allocate_kv_cache(
         self, num_blocks: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, list[KVCacheView]]:
         arch = self.arch
-        # Blocks outermost, so one block is one contiguous region across all layers.
-        shape = (num_blocks, arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_size)
+        shape = self.kv_cache_shape(num_blocks)
         if self._transfer_memory:
             kv_cache = allocate_kv_cache(shape, dtype, self.device)
         else:

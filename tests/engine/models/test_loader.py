@@ -174,6 +174,12 @@ def test_resolve_dtype(make_checkpoint):
     assert resolve_dtype("float32", arch) == torch.float32
     with pytest.raises(ValueError, match="unsupported dtype 'int8'; supported: auto, float32"):
         resolve_dtype("int8", arch)
+    # A float32 checkpoint serves in bfloat16 on a GPU (and in float16 if stored so).
+    float32_arch = ModelArchConfig.from_pretrained(make_checkpoint())
+    assert resolve_dtype("auto", float32_arch, torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("auto", float32_arch) == torch.float32
+    float16_arch = ModelArchConfig.from_pretrained(make_checkpoint(dtype="float16"))
+    assert resolve_dtype("auto", float16_arch, torch.device("cuda")) == torch.float16
 
 
 def _linears(model: torch.nn.Module) -> list[Linear]:
