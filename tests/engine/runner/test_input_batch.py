@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from kvferry.engine.runner.input_batch import CachedRequestState, InputBatch
 from kvferry.engine.sampling_params import SamplingParams
 
