@@ -69,6 +69,23 @@ def test_removing_the_ingress_deletes_it(cluster, run_async) -> None:
     run_async(scenario())
 
 
+def test_network_policies_follow_the_spec(cluster, run_async) -> None:
+    async def scenario() -> None:
+        async with cluster() as (k, client, start_operator), start_operator():
+            await create(client, "chat", BASE)
+            # The Redis policy is applied last of all the children.
+            await wait_for(lambda: stored(k, "NetworkPolicy", "chat-redis"), 15,
+                           "the Redis NetworkPolicy")
+            assert stored(k, "NetworkPolicy", "chat-engines") is not None
+            await change_spec(client, "chat", 2, {"networkPolicy": {"enabled": False}})
+            await wait_for(lambda: stored(k, "NetworkPolicy", "chat-engines") is None
+                           and stored(k, "NetworkPolicy", "chat-redis") is None, 15,
+                           "the NetworkPolicies deleted")
+            assert stored(k, "Deployment", "chat-decode") is not None
+
+    run_async(scenario())
+
+
 def test_naming_an_external_redis_deletes_the_managed_one(cluster, run_async) -> None:
     async def scenario() -> None:
         async with cluster() as (k, client, start_operator), start_operator():

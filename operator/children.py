@@ -30,14 +30,14 @@ HANDOVER_MANAGER = "kvferry-handover-to-hpa"
 """Field manager that briefly co-owns a Deployment's replicas while an HPA takes them over."""
 
 LISTED_KINDS = ("ConfigMap", "Service", "Deployment", "PodDisruptionBudget",
-                "HorizontalPodAutoscaler", "Ingress")
+                "HorizontalPodAutoscaler", "Ingress", "NetworkPolicy")
 """Child kinds the operator lists (by label) to compare and prune; Secrets are only ever read
 by name, so the operator needs no permission to list them."""
 
 PRUNED_KINDS = frozenset({"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
-                          "Ingress", "Secret"})
-"""Child kinds a spec change can make unwanted (a removed pool, autoscaling, ingress, or the
-managed Redis once an external one is named). The ConfigMap always exists."""
+                          "Ingress", "Secret", "NetworkPolicy"})
+"""Child kinds a spec change can make unwanted (a removed pool, autoscaling, ingress, network
+policies, or the managed Redis once an external one is named). The ConfigMap always exists."""
 
 ChildKey = tuple[str, str]  # (kind, name)
 

@@ -27,7 +27,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the operator until SIGINT/SIGTERM; returns the exit status."""
     import kopf
-
     from kvferry.operator.handlers import build_registry
     from kvferry.operator.reconcile import Policy
 

@@ -19,7 +19,6 @@ from typing import Any
 
 import aiohttp
 import kopf
-
 from kvferry.operator import GROUP, PLURAL, VERSION
 from kvferry.operator.children import LISTED_KINDS
 from kvferry.operator.kube import RESOURCES, ApiError, KubeClient

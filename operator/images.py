@@ -8,8 +8,9 @@ never touches a GPU, get the smaller CPU image. An image named in the spec runs 
 
 from __future__ import annotations
 
-from kvferry import __version__
 from kvferry.operator.spec import InferenceServiceSpec, PoolSpec, Resources
+
+from kvferry import __version__
 
 IMAGE_REPOSITORY = "ghcr.io/kvferry/kvferry"
 DEFAULT_IMAGE = f"{IMAGE_REPOSITORY}:{__version__}"

@@ -30,6 +30,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
     "Ingress": ("networking.k8s.io/v1", "ingresses"),
+    "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
     "InferenceService": ("kvferry.dev/v1alpha1", "inferenceservices"),
 }
 

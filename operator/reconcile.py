@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
-
 from kvferry.operator import KIND
 from kvferry.operator.children import (
     HANDOVER_MANAGER,

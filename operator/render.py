@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.operator.labels import NIXL_PORT, REDIS_PORT, child_name, labels
+from kvferry.operator.render_network import render_network_policies
 from kvferry.operator.render_pod import config_checksum
 from kvferry.operator.render_pools import PodContext, render_pool
-from kvferry.operator.render_redis import render_redis, redis_password_secret
+from kvferry.operator.render_redis import redis_password_secret, render_redis
 from kvferry.operator.render_router import render_ingress, render_router
 from kvferry.operator.spec import InferenceServiceSpec
 
@@ -100,4 +101,5 @@ def render_children(spec: InferenceServiceSpec) -> list[Child]:
     children += [Child(m) for m in render_router(spec, ctx)]
     if spec.ingress is not None:
         children.append(Child(render_ingress(spec)))
+    children += [Child(m) for m in render_network_policies(spec)]
     return children

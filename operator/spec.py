@@ -166,6 +166,14 @@ class KVTransferSpec:
 
 
 @dataclass(frozen=True)
+class NetworkPolicySpec:
+    enabled: bool
+    # The NetworkPolicyPeer Prometheus scrapes from (namespaceSelector and/or podSelector);
+    # None: no pod outside the service reaches the engines.
+    metrics_peer: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     """A parsed InferenceService: every default applied, every rule checked."""
 
@@ -178,6 +186,7 @@ class InferenceServiceSpec:
     ingress: IngressSpec | None
     redis: RedisSpec
     kv_transfer: KVTransferSpec
+    network_policy: NetworkPolicySpec
 
     @property
     def is_disaggregated(self) -> bool:
@@ -228,6 +237,10 @@ def _build(name: str, defaulted: dict[str, Any], default_namespace: str) -> Infe
         kv_transfer=KVTransferSpec(
             lease_seconds=spec["kvTransfer"]["leaseSeconds"],
             failure_policy=spec["kvTransfer"]["failurePolicy"],
+        ),
+        network_policy=NetworkPolicySpec(
+            enabled=spec["networkPolicy"]["enabled"],
+            metrics_peer=spec["networkPolicy"].get("metrics"),
         ),
     )
 

@@ -18,7 +18,6 @@ import logging
 
 import numpy as np
 import torch
-
 from kvferry.engine.attention.backend import AttentionMetadata
 from kvferry.engine.sample.metadata import SamplingMetadata
 from kvferry.engine.sample.sampler import Sampler

@@ -21,6 +21,7 @@ from kvferry.engine.runner.cpu_malloc import keep_activation_memory
 from kvferry.engine.runner.input_batch import CachedRequestState, InputBatch
 from kvferry.engine.runner.memory_profile import measure_gpu_kv_cache_budget
 from kvferry.engine.runner.prepare_inputs import InputBuffers, PreparedInputs, prepare_inputs
+from kvferry.engine.runner.step_staging import StepStaging, StepTensors
 from kvferry.engine.sample.metadata import SamplingMetadata
 from kvferry.engine.sample.sampler import Sampler, SamplerOutput
 from kvferry.kvtransfer.memory import allocate_kv_cache
@@ -93,6 +94,7 @@ class ModelRunner:
         self.kv_caches: list[KVCacheView] = []
         self.input_batch = InputBatch(max_num_reqs, max_model_len, cache.block_size, device)
         self.buffers = InputBuffers.allocate(max_num_batched_tokens, max_num_reqs)
+        self.staging = StepStaging(max_num_batched_tokens, max_num_reqs, device)
         self.sampler = Sampler()
         # Every request the runner knows, in the batch or not (unscheduled this step).
         self.requests: dict[str, CachedRequestState] = {}
@@ -148,17 +150,15 @@ class ModelRunner:
             num_scheduled, batch.num_computed_tokens, batch.num_tokens, batch.token_ids.np,
             batch.block_table.np, self.block_size, self.buffers,
         )
-        metadata = self._attention_metadata(prepared)
-        hidden = self.model(
-            torch.from_numpy(prepared.input_ids).to(self.device),
-            torch.from_numpy(prepared.positions).to(self.device),
-            self.kv_caches,
-            metadata,
-        )
+        # One host-to-device copy of the step's index arrays (the block table is the other).
+        # The previous step's copy is over: its sampled tokens were read back.
+        staged = self.staging.stage(prepared)
+        metadata = self._attention_metadata(prepared, staged)
+        hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, metadata)
         sampled_rows = prepared.sampled_rows.tolist()
         if not sampled_rows:  # every request is mid-prefill
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        logits = self.model.compute_logits(hidden[torch.from_numpy(prepared.logits_indices)])
+        logits = self.model.compute_logits(hidden[staged.logits_indices])
         sampling_metadata = self._sampling_metadata(sampled_rows, scheduler_output)
         sampler_output = self.sampler(logits, sampling_metadata)
         return self._record_samples(sampled_rows, sampler_output)
@@ -225,18 +225,17 @@ class ModelRunner:
         """Requests with runner state (rows or cached states); 0 when idle."""
         return len(self.requests)
 
-    def _attention_metadata(self, prepared: PreparedInputs) -> AttentionMetadata:
+    def _attention_metadata(self, prepared: PreparedInputs, staged: StepTensors) -> AttentionMetadata:
         num_reqs = prepared.seq_lens.shape[0]
-        device = self.device
         return AttentionMetadata(
             num_reqs=num_reqs,
             num_actual_tokens=prepared.positions.shape[0],
             max_query_len=prepared.max_query_len,
             max_seq_len=prepared.max_seq_len,
-            query_start_loc=torch.from_numpy(prepared.query_start_loc).to(device),
-            seq_lens=torch.from_numpy(prepared.seq_lens).to(device),
+            query_start_loc=staged.query_start_loc,
+            seq_lens=staged.seq_lens,
             block_table=self.input_batch.block_table.copy_to_device(num_reqs),
-            slot_mapping=torch.from_numpy(prepared.slot_mapping).to(device),
+            slot_mapping=staged.slot_mapping,
             query_start_loc_np=prepared.query_start_loc,
             seq_lens_np=prepared.seq_lens,
         )

@@ -53,6 +53,7 @@ def test_children_of_the_demo_example() -> None:
         "Deployment/demo-prefill", "Service/demo-prefill", "PodDisruptionBudget/demo-prefill",
         "Deployment/demo-decode", "Service/demo-decode", "PodDisruptionBudget/demo-decode",
         "Deployment/demo-router", "Service/demo-router",
+        "NetworkPolicy/demo-engines", "NetworkPolicy/demo-redis",
     ]
 
 

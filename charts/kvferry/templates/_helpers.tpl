@@ -59,7 +59,7 @@ The operator's permissions, one rule per kind (see operator-rbac.yaml):
   resources: [horizontalpodautoscalers]
   verbs: [list, watch, create, patch, delete]
 - apiGroups: [networking.k8s.io]
-  resources: [ingresses]
+  resources: [ingresses, networkpolicies]
   verbs: [list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [configmaps]

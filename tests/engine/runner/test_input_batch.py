@@ -1,8 +1,8 @@
 """InputBatch: dense rows that move together with their tokens, blocks and counts."""
 
+import numpy as np
 import pytest
 import torch
-
 from kvferry.engine.runner.input_batch import CachedRequestState, InputBatch
 from kvferry.engine.sampling_params import SamplingParams
 
@@ -185,3 +185,59 @@ def test_appended_tokens_move_with_their_row() -> None:
     batch.append_token(1, 99)
     batch.remove_requests(["r0"])
     assert row_view(batch, 0) == ("r1", [11, 12, 13, 99], [2], 4, 3, 1, 1)
+
+
+def _rebuilt(batch: InputBatch, live_computed: dict[str, int]) -> InputBatch:
+    """A fresh batch holding the same requests in the same rows, built from their states."""
+    fresh = InputBatch(batch.max_num_reqs, MAX_MODEL_LEN, BLOCK_SIZE, torch.device("cpu"))
+    for req_id in batch.active_req_ids:
+        state = batch.states[batch.req_id_to_index[req_id]]
+        assert state is not None
+        state.num_computed_tokens = live_computed[req_id]
+        fresh.add_request(state)
+    return fresh
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_incremental_updates_equal_a_rebuild(seed: int) -> None:
+    """Random adds, removals, sampled tokens, new blocks and computed counts, applied as the
+    runner applies them: after every step the dense arrays (the block table's padding
+    included) equal those of a batch rebuilt from the requests' states."""
+    rng = np.random.default_rng(seed)
+    batch = make_batch(max_num_reqs=6)
+    live_computed: dict[str, int] = {}
+    next_id = 0
+    for _ in range(120):
+        op = rng.integers(4)
+        if op == 0 and batch.num_reqs < batch.max_num_reqs:
+            prompt = rng.integers(1, 1000, size=rng.integers(1, 9)).tolist()
+            blocks = rng.integers(1, 99, size=-(-len(prompt) // BLOCK_SIZE)).tolist()
+            computed = int(rng.integers(0, len(prompt) + 1))
+            batch.add_request(make_state(f"r{next_id}", prompt, blocks, num_computed_tokens=computed))
+            live_computed[f"r{next_id}"] = computed
+            next_id += 1
+        elif op == 1 and batch.num_reqs:
+            gone = rng.choice(batch.active_req_ids, size=rng.integers(1, batch.num_reqs + 1),
+                              replace=False).tolist()
+            batch.remove_requests(set(gone))
+        elif op == 2 and batch.num_reqs:
+            rows = np.flatnonzero(rng.random(batch.num_reqs) < 0.6)
+            tokens = rng.integers(1, 1000, size=rows.size)
+            for row, token in zip(rows, tokens):  # the runner records each in its state too
+                if batch.num_tokens[row] < MAX_MODEL_LEN:
+                    batch.states[row].output_token_ids.append(int(token))
+            batch.append_tokens(rows, tokens)
+            for row in range(batch.num_reqs):
+                room = -(-int(batch.num_tokens[row]) // BLOCK_SIZE) - int(batch.num_blocks[row])
+                if room > 0:
+                    batch.append_block_ids(row, rng.integers(1, 99, size=room).tolist())
+        elif op == 3 and batch.num_reqs:
+            row = int(rng.integers(batch.num_reqs))
+            computed = int(rng.integers(0, batch.num_tokens[row] + 1))
+            batch.num_computed_tokens[row] = computed
+            live_computed[batch.req_ids[row]] = computed
+        fresh = _rebuilt(batch, live_computed)
+        n = batch.num_reqs
+        assert fresh.num_reqs == n and fresh.active_req_ids == batch.active_req_ids
+        assert [row_view(batch, r) for r in range(n)] == [row_view(fresh, r) for r in range(n)]
+        assert np.array_equal(batch.block_table.np[:n], fresh.block_table.np[:n])

@@ -5,8 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from kvferry import LLM, SamplingParams
 from kvferry.engine.config import CacheConfig
 from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.runner.memory_profile import (
@@ -15,6 +13,8 @@ from kvferry.engine.runner.memory_profile import (
     run_profile_step,
 )
 from kvferry.engine.runner.model_runner import determine_num_blocks, kv_cache_block_bytes
+
+from kvferry import LLM, SamplingParams
 
 GIB = 1 << 30
 

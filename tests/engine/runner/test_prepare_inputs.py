@@ -1,7 +1,6 @@
 """Seeds 002 and 003's worked examples, reproduced number for number."""
 
 import numpy as np
-
 from kvferry.engine.runner.prepare_inputs import InputBuffers, prepare_inputs
 
 

@@ -109,4 +109,11 @@ def random_spec(rng: random.Random) -> dict[str, Any]:
         spec["redis"] = redis
     if rng.random() < 0.5:
         spec["kvTransfer"] = {"leaseSeconds": rng.randint(1, 600), "failurePolicy": rng.choice(["recompute", "fail"])}
+    if rng.random() < 0.5:
+        spec["networkPolicy"] = rng.choice([
+            {"enabled": False},
+            {"metrics": {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}},
+            {"metrics": {"namespaceSelector": {}, "podSelector": {
+                "matchExpressions": [{"key": "app", "operator": "In", "values": ["prometheus"]}]}}},
+        ])
     return spec

@@ -15,6 +15,9 @@ from kvferry.operator.quantity import canonical_quantity
 # Boolean fields that are pointers in the Kubernetes Go types, so `false` is kept.
 POINTER_BOOLS = {"allowPrivilegeEscalation", "readOnlyRootFilesystem", "runAsNonRoot", "privileged",
                  "automountServiceAccountToken", "optional", "hostUsers"}
+# Label selectors a NetworkPolicy holds by pointer (or without omitempty): `{}` is kept, and
+# means "everything".
+KEPT_EMPTY_MAPS = {"namespaceSelector", "podSelector"}
 # Parents whose values are all quantities.
 QUANTITY_MAPS = {"requests", "limits"}
 QUANTITY_FIELDS = {"sizeLimit", "averageValue"}
@@ -24,7 +27,7 @@ def stored_form_problems(value: Any, path: str = "") -> list[str]:
     """Every place where `value` differs from the form the API server would store."""
     problems: list[str] = []
     if isinstance(value, dict):
-        if not value:
+        if not value and path.rsplit(".", 1)[-1] not in KEPT_EMPTY_MAPS:
             problems.append(f"{path}: empty map (dropped by the API server)")
         for key, sub in value.items():
             where = f"{path}.{key}"
