@@ -259,21 +259,21 @@ class ModelRunner:
     def _record_samples(self, rows: list[int], output: SamplerOutput) -> ModelRunnerOutput:
         """Writes each sampled token into its row: it is that request's next input."""
         batch = self.input_batch
-        token_ids = output.sampled_token_ids.tolist()
+        sampled, logprobs = _copy_to_host(output)
+        token_ids = sampled.tolist()
         states = list(map(batch.states.__getitem__, rows))
         for state, token_id in zip(states, token_ids):
             state.output_token_ids.append(token_id)
-        batch.append_tokens(np.asarray(rows), output.sampled_token_ids.cpu().numpy())
+        batch.append_tokens(np.asarray(rows), sampled.numpy())
         req_ids = list(map(_req_id, states))
-        return ModelRunnerOutput(req_ids, token_ids, self._logprobs_lists(rows, output))
+        return ModelRunnerOutput(req_ids, token_ids, self._logprobs_lists(rows, logprobs))
 
     def _logprobs_lists(
-        self, rows: list[int], output: SamplerOutput
+        self, rows: list[int], logprobs: HostLogprobs | None
     ) -> list[list[tuple[int, float, int]]] | None:
-        tensors = output.logprobs
-        if tensors is None:
+        if logprobs is None:
             return None
-        ids, values, ranks = tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks.tolist()
+        ids, values, ranks = logprobs
         result = []
         for i, row in enumerate(rows):
             wanted = self.input_batch.states[row].sampling_params.logprobs
@@ -284,3 +284,25 @@ class ModelRunner:
             entries += [(ids[i][j], values[i][j], j) for j in range(1, wanted + 1)]
             result.append(entries)
         return result
+
+
+# Logprobs on the host: token ids (num_rows, k + 1), their values, the sampled tokens' ranks.
+HostLogprobs = tuple[list[list[int]], list[list[float]], list[int]]
+
+
+def _copy_to_host(output: SamplerOutput) -> tuple[torch.Tensor, HostLogprobs | None]:
+    """The step's one device-to-host copy: the sampled ids, and with logprobs, ids, values
+    and ranks packed beside them as float64 (exact for all: ids and ranks are below 2^53,
+    the values are float32)."""
+    sampled = output.sampled_token_ids  # (num_rows,) int64
+    tensors = output.logprobs
+    if tensors is None:
+        return sampled.cpu(), None
+    k = tensors.token_ids.shape[1]
+    packed = torch.cat([  # (num_rows, 2 + 2 * k) float64
+        sampled[:, None].double(), tensors.token_ids.double(), tensors.logprobs.double(),
+        tensors.ranks[:, None].double(),
+    ], dim=1).cpu()
+    host = (packed[:, 1:1 + k].long().tolist(), packed[:, 1 + k:1 + 2 * k].tolist(),
+            packed[:, 1 + 2 * k].long().tolist())
+    return packed[:, 0].long(), host

@@ -56,3 +56,19 @@ def test_the_engine_gives_the_same_tokens_through_the_staging_buffer(make_checkp
                                  stage_on_cpu=True)
     staged = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert staged == direct
+
+
+def test_sampled_tokens_and_logprobs_come_back_in_one_copy_exactly() -> None:
+    from kvferry.engine.runner.model_runner import _copy_to_host
+    from kvferry.engine.sample.sampler import LogprobsTensors, SamplerOutput
+
+    torch.manual_seed(0)
+    values = torch.randn(3, 4).log_softmax(dim=-1)  # float32
+    ids = torch.tensor([[7, 1, 9, 2**40], [5, 5, 0, 3], [128255, 2, 4, 6]])
+    ranks = torch.tensor([1, 17, 2**33])
+    output = SamplerOutput(torch.tensor([7, 5, 128255]), LogprobsTensors(ids, values, ranks))
+    sampled, (host_ids, host_values, host_ranks) = _copy_to_host(output)
+    assert sampled.dtype == torch.int64 and sampled.tolist() == [7, 5, 128255]
+    assert host_ids == ids.tolist() and host_ranks == ranks.tolist()
+    assert host_values == values.tolist()  # float32 values survive float64 exactly
+    assert _copy_to_host(SamplerOutput(torch.tensor([3]), None))[1] is None
