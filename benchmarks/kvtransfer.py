@@ -177,13 +177,19 @@ def producer_setup(num_blocks: int, seed: int, ucx_error_mode: str) -> dict[str,
             "scheduler": scheduler}
 
 
+def prompt_tokens(num_tokens: int) -> list[int]:
+    """The prompt every hold is computed for: the consumer sends the same, so its hash matches."""
+    return [0] * num_tokens
+
+
 def producer_hold(state: dict[str, Any], req_id: str, block_ids: list[int]) -> dict:
+    num_tokens = len(block_ids) * BLOCK_SIZE
     keep, params = state["scheduler"].request_finished(
-        req_id, KVTransferParams(do_remote_decode=True), [block_ids],
-        len(block_ids) * BLOCK_SIZE, aborted=False,
+        req_id, KVTransferParams(do_remote_decode=True), [block_ids], prompt_tokens(num_tokens),
+        num_tokens, aborted=False,
     )
     assert keep and params is not None
-    return params.to_dict()
+    return params
 
 
 def blocks_digest(buf: torch.Tensor, block_ids: np.ndarray) -> str:
@@ -277,7 +283,7 @@ def connector_pull(conn: Any, consumer: tuple[KVConnectorWorker, KVConnectorSche
     num_tokens = len(local_ids) * BLOCK_SIZE
     start = time.perf_counter()
     scheduler.add_request(req_id, params)
-    num_external = scheduler.get_num_new_matched_tokens(params, num_tokens + 1, 0)
+    num_external = scheduler.get_num_new_matched_tokens(params, prompt_tokens(num_tokens + 1), 0)
     scheduler.update_state_after_alloc(req_id, params, [local_ids.tolist()], 0, num_external)
     worker.apply(scheduler.build_connector_meta())
     while True:
