@@ -24,7 +24,8 @@ one whole block) it measures, interleaved trial by trial:
 - pull, per-layer layout: one region per layer, one descriptor per layer per run: what a
   layer-major cache would cost;
 - connector: the whole path an engine takes (lease renewal on the side channel, READ,
-  polling from `get_finished`), with the handshake already cached.
+  polling from `get_finished`), with the handshake already cached; signed as a service's
+  pods sign (the params' MAC checked on arrival, every side-channel call and reply signed).
 
 Block ids are realistic, not one tidy range: the producer's blocks are runs of 1-16
 consecutive ids in shuffled order, the consumer's one range, so descriptors per pull are
@@ -63,6 +64,7 @@ import hashlib
 import json
 import math
 import multiprocessing as mp
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -77,6 +79,7 @@ from kvferry.kvtransfer import (
     KVTransferMetrics,
     KVTransferParams,
 )
+from kvferry.kvtransfer.auth import KEY_ENV, generate_key_text, key_from_environment
 from kvferry.kvtransfer.layout import block_runs
 from kvferry.kvtransfer.memory import allocate_kv_cache
 from kvferry.kvtransfer.nixl_backend import GroupRead, NixlBackend
@@ -167,7 +170,8 @@ def producer_setup(num_blocks: int, seed: int, ucx_error_mode: str) -> dict[str,
     cross_region = cross.register(cross_layer_view(buf, num_blocks))
     layer = NixlBackend(f"bench-producer-layer-{seed}", ucx_error_mode)
     layer_regions = [layer.register(v) for v in per_layer_views(buf, num_blocks)]
-    config = KVTransferConfig(model_id="bench", ucx_error_handling_mode=ucx_error_mode)
+    config = KVTransferConfig(model_id="bench", ucx_error_handling_mode=ucx_error_mode,
+                              transfer_key=key_from_environment(os.environ))
     metrics = KVTransferMetrics()
     worker = KVConnectorWorker(config, metrics)
     endpoint = worker.register_kv_caches(cross_layer_view(buf, num_blocks))
@@ -378,7 +382,8 @@ def consumer_agents(side: ProducerSide, dst: torch.Tensor, num_blocks: int, ucx_
                           regions=[layer_backend.register(v)
                                    for v in per_layer_views(dst, num_blocks)])
     config = KVTransferConfig(model_id="bench", ucx_error_handling_mode=ucx_error_mode,
-                              read_threads=read_threads)
+                              read_threads=read_threads,
+                              transfer_key=key_from_environment(os.environ))
     metrics = KVTransferMetrics()
     worker = KVConnectorWorker(config, metrics)
     endpoint = worker.register_kv_caches(cross_layer_view(dst, num_blocks))
@@ -442,6 +447,8 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="print every trial")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    # The key producer and consumer share, as a service's pods do (the producer inherits it).
+    os.environ[KEY_ENV] = generate_key_text()
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     producer = ctx.Process(target=producer_main, args=(child_conn, args.ucx_error_mode),

@@ -28,9 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from kvferry.kvtransfer.auth import KEY_ENV, generate_key_text
 from serving import wait_ready
 
 VOCAB = 2048  # the demo model's
+RUN_KEY = generate_key_text()
 
 
 def free_port() -> int:
@@ -46,8 +48,9 @@ class Server:
         cmd = [sys.executable, "-m", "kvferry.cli", "serve", "--model", "demo",
                "--served-model-name", "demo", "--host", "127.0.0.1", "--port", str(self.port),
                "--role", role, "--max-model-len", "4096"]
+        # The pods share one KV transfer key, as a service's pods do.
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env={**os.environ, KEY_ENV: RUN_KEY})
 
     @property
     def url(self) -> str:

@@ -217,3 +217,47 @@ def test_host_path_sources_need_the_operator_to_allow_them(cluster, run_async) -
                                "no longer Degraded")
 
     run_async(scenario())
+
+
+async def annotate(client: Any, name: str, annotations: dict[str, str]) -> None:
+    await client._call("PATCH", object_path("InferenceService", NS, name),
+                       {"metadata": {"annotations": annotations}}, "application/merge-patch+json")
+
+
+def engine_template(k: Any, deployment: str) -> dict[str, Any]:
+    return stored(k, "Deployment", deployment)["spec"]["template"]
+
+
+def test_the_kv_transfer_key_is_made_once_kept_and_replaced_only_on_request(
+        cluster, run_async) -> None:
+    async def scenario() -> None:
+        async with cluster() as (k, client, start_operator), start_operator():
+            body = await create(client, "chat", {**BASE, "pools": {"prefill": {}, "decode": {}}})
+            await wait_for(lambda: observed(k, "chat") == 1, 15, "first reconcile")
+            first = stored(k, "Secret", "chat-kv-transfer-key")
+            (owner,) = first["metadata"]["ownerReferences"]
+            assert (owner["kind"], owner["uid"]) == ("InferenceService", body["metadata"]["uid"])
+            for pool in ("chat-prefill", "chat-decode"):
+                env = engine_template(k, pool)["spec"]["containers"][0]["env"]
+                assert {"name": "KVFERRY_KV_TRANSFER_KEY", "valueFrom": {"secretKeyRef": {
+                    "name": "chat-kv-transfer-key", "key": "key"}}} in env
+            # A spec change (and the reconciles it causes) keeps the key.
+            await change_spec(client, "chat", 2, {"router": {"replicas": 2}})
+            await wait_for(lambda: observed(k, "chat") == 2, 15, "second reconcile")
+            kept = stored(k, "Secret", "chat-kv-transfer-key")
+            assert (kept["metadata"]["uid"], kept["data"]) == (first["metadata"]["uid"],
+                                                               first["data"])
+            # Asked for: a new key, and pods that roll onto it.
+            await annotate(client, "chat", {"rotation.kvferry.dev/kv-transfer-key": "2026-11-26"})
+            await wait_for(lambda: (stored(k, "Secret", "chat-kv-transfer-key") or {}).get(
+                "data") not in (None, first["data"]), 15, "the key replaced")
+            rotated = stored(k, "Secret", "chat-kv-transfer-key")
+            assert rotated["metadata"]["annotations"]["kvferry.dev/generated-for"] == "2026-11-26"
+            await wait_for(lambda: engine_template(k, "chat-decode")["metadata"]["annotations"].get(
+                "rotation.kvferry.dev/kv-transfer-key") == "2026-11-26", 15, "the pods rolled")
+            # And kept again after that.
+            await change_spec(client, "chat", 3, {"router": {"replicas": 1}})
+            await wait_for(lambda: observed(k, "chat") == 3, 15, "third reconcile")
+            assert stored(k, "Secret", "chat-kv-transfer-key")["data"] == rotated["data"]
+
+    run_async(scenario())

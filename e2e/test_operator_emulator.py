@@ -241,9 +241,10 @@ def test_new_service_is_reconciled_once_with_one_write_per_child(cluster, run_as
             served = [(str(r.method.value).upper(), r.url.path, r.headers.get("Content-Type"))
                       for r in k.served[before:] if "watch=true" not in str(r.url)]
             assert [m for m, p, _ in served if m == "GET"] == []
-            # Server-side apply creates every child but the generated Secret, which is POSTed once.
+            # Server-side apply creates every child but the generated Secrets (the KV transfer
+            # key, the Redis password), which are POSTed once.
             assert sorted(p for m, p, _ in served if m == "POST") == sorted(
-                [object_path("InferenceService", NS), object_path("Secret", NS)])
+                [object_path("InferenceService", NS)] + [object_path("Secret", NS)] * 2)
             service_path = object_path("InferenceService", NS, "chat")
             assert sorted(p for m, p, t in served if m == "PATCH" and t == APPLY_CONTENT_TYPE) == sorted(
                 object_path(c.kind, NS, c.name) for c in children if c.kind != "Secret")

@@ -77,9 +77,15 @@ def observed(k: Any, name: str) -> int | None:
 
 
 async def every_code_path(k: Any, client: Any) -> None:
-    """Create, heal a hand edit, and prune every prunable kind."""
+    """Create, heal a hand edit, rotate the KV transfer key, and prune every prunable kind."""
     await client.create(NS, new_service("full", SPEC))
     await wait_for(lambda: observed(k, "full") == 1, 20, "first reconcile")
+    key = stored(k, "Secret", "full-kv-transfer-key")["data"]
+    await client._call("PATCH", object_path("InferenceService", NS, "full"), {
+        "metadata": {"annotations": {"rotation.kvferry.dev/kv-transfer-key": "1"}}},
+        "application/merge-patch+json")
+    await wait_for(lambda: (stored(k, "Secret", "full-kv-transfer-key") or {}).get("data")
+                   not in (None, key), 20, "the KV transfer key replaced")
     await client._call("PATCH", object_path("Service", NS, "full-decode"), {"spec": {"ports": [{"port": 1}]}},
                        "application/merge-patch+json")
     await wait_for(lambda: stored(k, "Service", "full-decode")["spec"]["ports"][0]["port"] == 8000, 20,

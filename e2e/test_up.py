@@ -341,6 +341,36 @@ def test_each_local_pod_gets_its_own_kv_side_channel_port() -> None:
     assert {c.env["KVFERRY_POD_NAME"] for c in children} == {c.name for c in children}
 
 
+def test_every_local_pod_gets_the_runs_transfer_key_and_each_run_its_own() -> None:
+    from kvferry.kvtransfer.auth import KEY_ENV, MIN_KEY_BYTES
+    from kvferry.operator.spec import parse_spec
+
+    from kvferry.up import load_service, pod_children, transfer_key_text
+
+    spec = parse_spec(load_service(None))
+    first, second = transfer_key_text({}), transfer_key_text({})
+    assert first != second and len(first.encode()) >= MIN_KEY_BYTES
+    children = pod_children(spec, "redis://127.0.0.1:1", {}, first)
+    assert {c.env[KEY_ENV] for c in children} == {first}
+    # A key given to `kvferry up` is the pods' (a pod started by hand can join them).
+    given = "a-transfer-key-shared-with-other-pods-0123"
+    assert transfer_key_text({KEY_ENV: given}) == given
+    with pytest.raises(ValueError, match=f"{KEY_ENV}: a KV transfer key needs at least 32"):
+        transfer_key_text({KEY_ENV: "short"})
+
+
+def test_up_with_a_short_transfer_key_says_so_before_starting_anything(tmp_path: Path) -> None:
+    from kvferry.kvtransfer.auth import KEY_ENV
+
+    done = subprocess.run([sys.executable, "-m", "kvferry.cli", "up", "--port",
+                           str(free_port())], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, KEY_ENV: "short-key"})
+    assert done.returncode == 2
+    assert f"kvferry up: error: ${KEY_ENV}: a KV transfer key needs at least 32 bytes, this " \
+           "one has 9" in done.stderr
+    assert "short-key" not in done.stderr
+
+
 def test_the_router_and_pods_get_their_drain_before_sigkill(monkeypatch: pytest.MonkeyPatch
                                                             ) -> None:
     """`kvferry up` stops the router (then the pods) with SIGTERM and waits longer than the

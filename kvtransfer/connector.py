@@ -10,7 +10,10 @@ visible to the side channel the moment its params leave the scheduler.
 
 A request on a decode pod, step by step (the scheduler's calls):
 
-1. `add_request` on arrival: heartbeats keep the producer's hold alive while it queues;
+1. `add_request` on arrival: the params' signature is checked (a pod with a key acts on
+   no params it did not sign: nothing they name is contacted, and the pull fails with
+   `bad_signature` or `params_expired` at step 3); then heartbeats keep the producer's
+   hold alive while the request queues;
 2. `get_num_new_matched_tokens` when it is first scheduled, after local prefix hits: the
    tokens whose KV will be pulled;
 3. `update_state_after_alloc` once its blocks are allocated: the pull is planned; the
@@ -23,7 +26,8 @@ A request on a decode pod, step by step (the scheduler's calls):
    pull is over the request's params must stop asking for one (set them to None), so a
    later preemption recomputes instead of pulling blocks the producer has freed;
 5. `request_finished` when it ends: on a producer, a prefill with `do_remote_decode`
-   keeps its blocks under a lease and returns the params for the decode hop.
+   keeps its blocks under a lease and returns the params for the decode hop, signed with
+   the service's key (a decode-role pod holds nothing for another pod).
 
 Block groups: block ids travel as one tuple per group. Group 0 is the decoder's
 self-attention cache (prefix hits shorten its pull); other groups (an encoder-decoder's
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -45,6 +50,7 @@ from kvferry.engine.core.kv_connector import (
     KVConnectorSchedulerBase,
     TransferFailure,
 )
+from kvferry.kvtransfer.auth import ParamsRefusal, check_params, sign_params
 from kvferry.kvtransfer.config import FailurePolicy, KVTransferConfig
 from kvferry.kvtransfer.heartbeat import LeaseKeeper
 from kvferry.kvtransfer.lease import LeaseTable
@@ -116,14 +122,19 @@ class KVConnectorScheduler(KVConnectorSchedulerBase):
         leases: LeaseTable,
         metrics: KVTransferMetrics,
     ) -> None:
+        config.require_may_transfer()
         self.config = config
         self.block_size = block_size
         self.endpoint = endpoint
         self._leases = leases
         self._metrics = metrics
         self._keeper = LeaseKeeper(
-            config.heartbeat_s, config.side_channel_timeout_s, metrics, reader=endpoint.agent_name
+            config.heartbeat_s,
+            (config.side_channel_connect_timeout_s, config.side_channel_timeout_s),
+            metrics, endpoint.agent_name, config.side_channel_auth(),
         )
+        # Requests whose params failed the signature check on arrival: never contacted.
+        self._untrusted: dict[str, ParamsRefusal] = {}
         self._meta = KVConnectorMetadata()
         # Requests whose pull the worker owns (planned, not yet reported over).
         self._pulling: set[str] = set()
@@ -145,9 +156,30 @@ class KVConnectorScheduler(KVConnectorSchedulerBase):
 
     # ------------------------------------------------------------------ consumer
     def add_request(self, req_id: str, params: KVTransferParams | None) -> None:
-        """A request arrived; if its KV is remote, keep the producer's hold alive."""
-        if params is not None and params.do_remote_prefill:
-            self._keeper.track(req_id, params)
+        """A request arrived; if its KV is remote and its params verify, keep the
+        producer's hold alive."""
+        if params is None or not params.do_remote_prefill:
+            return
+        refusal = self._check_signature(req_id, params)
+        if refusal is not None:
+            self._untrusted[req_id] = refusal
+            return
+        self._keeper.track(req_id, params)
+
+    def _check_signature(self, req_id: str, params: KVTransferParams) -> ParamsRefusal | None:
+        """Why the params must not be acted on (counted and logged), or None.
+
+        An insecure pod (no key) checks nothing, as before keys existed.
+        """
+        key = self.config.transfer_key
+        if key is None:
+            return None
+        refusal = check_params(params, key, time.time())
+        if refusal is not None:
+            self._metrics.count_failure(refusal.reason)
+            logger.warning("request %s: refusing its kv_transfer_params (%s): %s; nothing they "
+                           "name is contacted", req_id, refusal.reason.value, refusal.message)
+        return refusal
 
     def get_num_new_matched_tokens(
         self,
@@ -189,6 +221,11 @@ class KVConnectorScheduler(KVConnectorSchedulerBase):
         """
         if params is None or not params.do_remote_prefill:
             return
+        refusal = self._refusal_of(req_id, params)
+        if refusal is not None:
+            if num_external_tokens:
+                self._refused[req_id] = TransferFailure(refusal.reason, refusal.message)
+            return
         if num_external_tokens == 0:
             self._keeper.release(req_id)
             return
@@ -202,6 +239,14 @@ class KVConnectorScheduler(KVConnectorSchedulerBase):
             return
         self._pulling.add(req_id)
         self._meta.pulls.append(spec)
+
+    def _refusal_of(self, req_id: str, params: KVTransferParams) -> ParamsRefusal | None:
+        """The arrival check's verdict; checked now for a request that skipped arrival."""
+        if req_id in self._untrusted:
+            return self._untrusted.pop(req_id)
+        if self._keeper.is_tracked(req_id):
+            return None
+        return self._check_signature(req_id, params)
 
     def _plan_pull(
         self,
@@ -310,11 +355,18 @@ class KVConnectorScheduler(KVConnectorSchedulerBase):
             return True, None
         self._keeper.release(req_id)
         self._refused.pop(req_id, None)
+        self._untrusted.pop(req_id, None)
         if params is None or not params.do_remote_decode or aborted or num_computed_tokens < 1:
+            return False, None
+        if self.config.role == "decode":
+            # The front end refuses these; a decode pod's blocks are never held for another.
+            logger.warning("request %s: a decode pod holds no blocks for do_remote_decode", req_id)
             return False, None
         held = self._hold(req_id, block_ids, num_computed_tokens)
         out = replace(self._params_for_decode(req_id, held, num_computed_tokens),
                       kvferry_prompt_hash=prompt_hash(token_ids[:num_computed_tokens]))
+        if self.config.transfer_key is not None:
+            out = sign_params(out, self.config.transfer_key, time.time())
         return True, out.to_dict()
 
     def _hold(
@@ -355,10 +407,17 @@ def _same_prompt(prompt_token_ids: Sequence[int], params: KVTransferParams) -> b
 
 def start_nixl_connector(
     config: KVTransferConfig, kv_cache: torch.Tensor, block_size: int
-) -> KVConnector:
-    """Registers the cache with NIXL and opens the side channel (its port is bound now)."""
+) -> KVConnector | None:
+    """Registers the cache with NIXL and opens the side channel (its port is bound now).
+
+    None without a key (and not insecure): such a pod takes part in no transfer, so it
+    registers no memory and serves no side channel (its front end refuses the params).
+    """
     from kvferry.kvtransfer.worker import KVConnectorWorker
 
+    if not config.may_transfer:
+        logger.warning("no KV transfer key: the KV connector is not started")
+        return None
     metrics = KVTransferMetrics()
     worker = KVConnectorWorker(config, metrics)
     endpoint = worker.register_kv_caches(kv_cache)

@@ -15,6 +15,7 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass
 
+from kvferry.kvtransfer.auth import SideChannelAuth
 from kvferry.kvtransfer.metrics import KVTransferMetrics
 from kvferry.kvtransfer.params import KVTransferParams
 from kvferry.kvtransfer.side_channel import SideChannelClient, SideChannelError
@@ -38,12 +39,15 @@ class LeaseKeeper:
     """Keeps the producer holds of a consumer's waiting requests alive."""
 
     def __init__(
-        self, heartbeat_s: float, timeout_s: float, metrics: KVTransferMetrics, reader: str = ""
+        self, heartbeat_s: float, timeouts_s: tuple[float, float], metrics: KVTransferMetrics,
+        reader: str, auth: SideChannelAuth | None,
     ) -> None:
         self.heartbeat_s = heartbeat_s
-        self.timeout_s = timeout_s
+        # Each call's connect and read timeouts.
+        self.connect_timeout_s, self.timeout_s = timeouts_s
         # This consumer's NIXL agent name: its heartbeats claim the holds they renew.
         self.reader = reader
+        self._auth = auth
         self._metrics = metrics
         self._lock = threading.Lock()
         self._tracked: dict[str, _Tracked] = {}
@@ -88,7 +92,7 @@ class LeaseKeeper:
         self._closed.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=self.timeout_s * 2)
+            self._thread.join(timeout=(self.connect_timeout_s + self.timeout_s) * 2)
 
     def _start_locked(self) -> None:
         if self._thread is None:
@@ -137,7 +141,8 @@ class LeaseKeeper:
                     tracked.lost = True
 
     def _client(self, producer: _Producer) -> SideChannelClient:
-        return SideChannelClient(producer[0], producer[1], self.timeout_s, self.reader)
+        return SideChannelClient(producer[0], producer[1], self.timeout_s, self.reader,
+                                 self._auth, self.connect_timeout_s)
 
 
 def _by_producer(items: list[tuple[_Producer, str]]) -> dict[_Producer, list[str]]:

@@ -10,7 +10,9 @@ than one lease.
 A hold serves one reader. The first consumer that renews it (a heartbeat, or the renewal
 before its read) claims it; another consumer's renewal is refused and its free ignored, so
 it computes the prompt itself. Without this, a decode hop retried on a second pod could read
-blocks that the first pod's late notification had just freed for reuse.
+blocks that the first pod's late notification had just freed for reuse. Every renewal and
+free names its reader: one that names none ("") is refused, claimed hold or not, so no
+caller can keep a hold alive or end it without being its (would-be) reader.
 
 The table is shared by the scheduler (which starts holds), the side channel's threads
 (heartbeats and frees) and the engine thread (notifications and expiry), hence the lock.
@@ -39,8 +41,9 @@ class Hold:
     reader: str = ""
 
     def serves(self, reader: str) -> bool:
-        """Whether `reader` may renew or end the hold ("" names no one: always allowed)."""
-        return not reader or not self.reader or reader == self.reader
+        """Whether `reader` may renew or end the hold: its claimer, or anyone named while
+        it is unclaimed; "" names no one and is never served."""
+        return bool(reader) and (not self.reader or reader == self.reader)
 
     @property
     def num_blocks(self) -> int:
@@ -75,7 +78,7 @@ class LeaseTable:
             self._num_blocks += held.num_blocks
             self._metrics.set_blocks_held(self._num_blocks)
 
-    def renew(self, req_ids: Iterable[str], reader: str = "") -> list[bool]:
+    def renew(self, req_ids: Iterable[str], reader: str) -> list[bool]:
         """Extends the given holds by a full lease, claiming unclaimed ones for `reader`.
 
         Per id, whether it is held for `reader`: False when it ended, never existed, or
@@ -83,7 +86,7 @@ class LeaseTable:
         """
         return [block_ids is not None for block_ids in self.claim(req_ids, reader)]
 
-    def claim(self, req_ids: Iterable[str], reader: str = "") -> list[BlockIdGroups | None]:
+    def claim(self, req_ids: Iterable[str], reader: str) -> list[BlockIdGroups | None]:
         """`renew`, answering per id with the blocks held for `reader` (None: not held).
 
         The blocks are what a consumer may read: params naming others are forged or stale.
@@ -96,12 +99,12 @@ class LeaseTable:
                 if held is None or not held.serves(reader):
                     result.append(None)
                     continue
-                held.reader = held.reader or reader
+                held.reader = reader
                 held.deadline = max(held.deadline, deadline)
                 result.append(held.block_ids)
             return result
 
-    def end(self, req_id: str, how: HoldEnd, reader: str = "") -> bool:
+    def end(self, req_id: str, how: HoldEnd, reader: str) -> bool:
         """Ends one hold; False when it had already ended, never existed, or is not `reader`'s."""
         with self._lock:
             held = self._holds.get(req_id)

@@ -32,6 +32,11 @@ class FailureReason(enum.StrEnum):
     TRANSFER_ERROR = "transfer_error"
     # The read did not finish within pull_timeout_s.
     TIMEOUT = "timeout"
+    # The params were not signed with this service's transfer key (no, or a wrong,
+    # kvferry_mac), or a side channel's reply was not: nothing they name was contacted.
+    BAD_SIGNATURE = "bad_signature"
+    # Signed params past their kvferry_expires_at: the producer has freed the blocks.
+    PARAMS_EXPIRED = "params_expired"
 
 
 class HoldEnd(enum.StrEnum):

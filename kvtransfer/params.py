@@ -29,7 +29,7 @@ BlockIdGroups = tuple[tuple[int, ...], ...]
 
 _KVFERRY_FIELDS = frozenset(
     {"kvferry_agent_name", "kvferry_num_tokens", "kvferry_lease_s", "kvferry_protocol_version",
-     "kvferry_prompt_hash"}
+     "kvferry_prompt_hash", "kvferry_expires_at", "kvferry_mac"}
 )
 _REMOTE_FIELDS = (
     "remote_engine_id", "remote_host", "remote_port", "remote_block_ids", "remote_request_id"
@@ -64,6 +64,11 @@ class KVTransferParams:
     # Hash of the prompt tokens whose KV the blocks hold (prompt_hash): a consumer whose
     # prompt differs must not take KV computed for another prompt.
     kvferry_prompt_hash: str | None = None
+    # Unix time after which a consumer refuses the params (the producer freed the blocks).
+    kvferry_expires_at: int | None = None
+    # HMAC-SHA256 (hex) of every other field with the service's transfer key (auth.py): a
+    # consumer dials nothing the params name unless it verifies.
+    kvferry_mac: str | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> KVTransferParams | None:
@@ -91,6 +96,8 @@ class KVTransferParams:
             kvferry_lease_s=_optional_seconds(data, "kvferry_lease_s"),
             kvferry_protocol_version=_protocol_version(data),
             kvferry_prompt_hash=_optional_str(data, "kvferry_prompt_hash"),
+            kvferry_expires_at=_optional_count(data, "kvferry_expires_at"),
+            kvferry_mac=_optional_str(data, "kvferry_mac"),
         )
         params.check_remote_prefill()
         return params
@@ -122,6 +129,8 @@ class KVTransferParams:
             "kvferry_lease_s": self.kvferry_lease_s,
             "kvferry_protocol_version": self.kvferry_protocol_version,
             "kvferry_prompt_hash": self.kvferry_prompt_hash,
+            "kvferry_expires_at": self.kvferry_expires_at,
+            "kvferry_mac": self.kvferry_mac,
         }
         return {k: v for k, v in out.items() if v is not None}
 

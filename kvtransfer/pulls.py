@@ -4,7 +4,11 @@ A pull goes through two phases:
 
 1. prepare (a pool thread, side-channel calls only): fetch the producer's handshake
    unless it is cached, then renew the producer's hold, which both proves the producer is
-   alive and keeps the blocks in place for a whole lease while the read runs;
+   alive and keeps the blocks in place for a whole lease while the read runs. At most
+   `max_prepares_per_producer` preparations run at once towards one producer address; the
+   others wait their turn without a thread, so a slow or silent producer holds a few of
+   the pool's threads (each for at most its connect and read timeouts), never all of them,
+   and pulls from other producers go on meanwhile;
 2. read (NIXL calls, all on the transfer thread): check the handshake, add the producer's
    agent, start one READ of all block runs with a notification naming the producer's
    request, then poll it until done, failed or past `pull_timeout_s` (then cancel it).
@@ -16,24 +20,33 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from kvferry.engine.core.kv_connector import TransferFailure
+from kvferry.kvtransfer.auth import SideChannelAuth
 from kvferry.kvtransfer.config import KVTransferConfig
 from kvferry.kvtransfer.connector import KVConnectorOutput, PullSpec
 from kvferry.kvtransfer.handshake import IncompatibleProducerError, RemoteEngine, RemoteEngines
 from kvferry.kvtransfer.layout import KVLayout, RegionInfo, block_runs
 from kvferry.kvtransfer.metrics import FailureReason, KVTransferMetrics
 from kvferry.kvtransfer.nixl_backend import GroupRead, NixlBackend, NixlError, Transfer
-from kvferry.kvtransfer.side_channel import HandshakeInfo, SideChannelClient, SideChannelError
+from kvferry.kvtransfer.side_channel import (
+    HandshakeInfo,
+    SideChannelAuthError,
+    SideChannelClient,
+    SideChannelError,
+)
 
 logger = logging.getLogger(__name__)
 
 # A finished read's notification to the producer: this prefix, then its request id.
 PULLED_NOTIF_PREFIX = b"kvferry/pulled/"
+# Threads preparing pulls (side-channel calls), shared by all producers.
+NUM_PREPARE_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,8 @@ class _Prepared:
 @dataclass
 class _Pull:
     spec: PullSpec
+    # The cached handshake to use, while the preparation waits for a slot.
+    cached: RemoteEngine | None = None
     prepared: Future[_Prepared] | None = None
     transfer: Transfer | None = None
     engine: RemoteEngine | None = None
@@ -72,6 +87,7 @@ class Puller:
         engines: RemoteEngines,
         local: tuple[list[KVLayout], list[RegionInfo]],
         wake: Callable[[], None],
+        auth: SideChannelAuth | None,
     ) -> None:
         self.config = config
         self.metrics = metrics
@@ -80,7 +96,10 @@ class Puller:
         self._layouts, self._regions = local
         # Called when a preparation finishes, so the transfer thread does not sleep on it.
         self._wake = wake
-        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvferry-prepare")
+        self._auth = auth
+        self._executor = ThreadPoolExecutor(max_workers=NUM_PREPARE_THREADS,
+                                            thread_name_prefix="kvferry-prepare")
+        self._slots = _ProducerSlots(config.max_prepares_per_producer)
         self._pulls: dict[str, _Pull] = {}
         self.output = KVConnectorOutput()
 
@@ -92,7 +111,7 @@ class Puller:
             raise RuntimeError(f"request {spec.req_id!r} is already pulling")
         pull = _Pull(spec)
         self._pulls[spec.req_id] = pull
-        self._submit_prepare(pull, cached=self._engines.lookup(spec.params))
+        self._queue_prepare(pull, cached=self._engines.lookup(spec.params))
 
     def cancel(self, req_id: str) -> None:
         """Drops a pull whose read has not started; a running read finishes or times out."""
@@ -103,6 +122,9 @@ class Puller:
 
     def advance(self) -> None:
         """Moves every pull on as far as it goes without waiting."""
+        for pull in self._slots.take_startable():
+            if self._pulls.get(pull.spec.req_id) is pull:  # not cancelled meanwhile
+                self._submit_prepare(pull)
         for req_id, pull in list(self._pulls.items()):
             if pull.transfer is None:
                 self._advance_prepare(req_id, pull)
@@ -118,24 +140,35 @@ class Puller:
         self._pulls.clear()
 
     # ------------------------------------------------------------------ prepare
-    def _submit_prepare(self, pull: _Pull, cached: RemoteEngine | None) -> None:
+    def _queue_prepare(self, pull: _Pull, cached: RemoteEngine | None) -> None:
+        """Waits for a slot of the producer's (started at once when one is free)."""
+        pull.cached, pull.prepared = cached, None
+        params = pull.spec.params
+        self._slots.queue((params.remote_host or "", params.remote_port or 0), pull)
+        self._wake()
+
+    def _submit_prepare(self, pull: _Pull) -> None:
         params = pull.spec.params
         client = SideChannelClient(
             params.remote_host or "", params.remote_port or 0, self.config.side_channel_timeout_s,
-            reader=self._backend.agent_name,
+            reader=self._backend.agent_name, auth=self._auth,
+            connect_timeout_s=self.config.side_channel_connect_timeout_s,
         )
-        agent_name = cached.info.agent_name if cached is not None else ""
+        agent_name = pull.cached.info.agent_name if pull.cached is not None else ""
         pull.prepared = self._executor.submit(
             _prepare, client, agent_name, params.remote_request_id or ""
         )
+        self._slots.running((client.host, client.port), pull.prepared)
         pull.prepared.add_done_callback(lambda _: self._wake())
 
     def _advance_prepare(self, req_id: str, pull: _Pull) -> None:
-        assert pull.prepared is not None
-        if not pull.prepared.done():
+        if pull.prepared is None or not pull.prepared.done():
             return
         try:
             prepared = pull.prepared.result()
+        except SideChannelAuthError as e:
+            self._fail(req_id, FailureReason.BAD_SIGNATURE, str(e))
+            return
         except SideChannelError as e:
             self._fail(req_id, FailureReason.PRODUCER_UNREACHABLE, str(e))
             return
@@ -147,7 +180,7 @@ class Puller:
             return
         if engine is None:
             # The cached handshake went stale meanwhile (a read from it failed): fetch anew.
-            self._submit_prepare(pull, cached=None)
+            self._queue_prepare(pull, cached=None)
             return
         if engine.info.agent_name != prepared.agent_name:
             # The cached producer restarted: its blocks and its NIXL agent are gone.
@@ -251,6 +284,47 @@ class Puller:
         self.metrics.count_failure(reason)
         self.output.failed_pulls[req_id] = TransferFailure(reason, message)
         logger.warning("KV pull for %s failed (%s): %s", req_id, reason.value, message)
+
+
+# (host, port) of a producer's side channel.
+_Address = tuple[str, int]
+
+
+@dataclass
+class _ProducerSlots:
+    """Preparations per producer address: at most `limit` run at once, the rest wait."""
+
+    limit: int
+    _running: dict[_Address, list[Future[_Prepared]]] = field(
+        default_factory=lambda: defaultdict(list))
+    _waiting: dict[_Address, deque[_Pull]] = field(default_factory=lambda: defaultdict(deque))
+
+    def queue(self, address: _Address, pull: _Pull) -> None:
+        self._waiting[address].append(pull)
+
+    def running(self, address: _Address, future: Future[_Prepared]) -> None:
+        self._running[address].append(future)
+
+    def take_startable(self) -> list[_Pull]:
+        """Waiting pulls that may start now (their caller starts them at once).
+
+        A cancelled pull's preparation keeps its slot until its call returns: the producer
+        is still busy with it.
+        """
+        for address in list(self._running):
+            self._running[address] = [f for f in self._running[address] if not f.done()]
+            if not self._running[address]:
+                del self._running[address]
+        startable = []
+        for address in list(self._waiting):
+            waiting = self._waiting[address]
+            free = self.limit - len(self._running.get(address, ()))
+            while waiting and free > 0:
+                startable.append(waiting.popleft())
+                free -= 1
+            if not waiting:
+                del self._waiting[address]
+        return startable
 
 
 def _prepare(client: SideChannelClient, agent_name: str, remote_req_id: str) -> _Prepared:

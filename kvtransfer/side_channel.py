@@ -1,7 +1,8 @@
 """The producer's side channel: how two pods find each other with nothing else.
 
-`remote_host:remote_port` in a request's params point here. A small HTTP server (one
-thread per connection, bodies in msgpack) on the producer answers:
+`remote_host:remote_port` in a request's params point here. A small HTTP server
+(http_server.py: one thread, bounded connections and timeouts, bodies in msgpack) on the
+producer answers:
 
 - `GET  /kvferry/v1/handshake`: `HandshakeInfo`: engine id, NIXL agent name and metadata,
   KV layout and region of every block group, compatibility hash, lease length;
@@ -10,19 +11,23 @@ thread per connection, bodies in msgpack) on the producer answers:
 - `POST /kvferry/v1/free` (`LeaseRequest` -> `LeaseReply`): the consumer will not pull
   (cancelled, failed, computed locally); ends the holds now.
 
-HTTP keeps the channel debuggable with curl; every client call has a timeout, so a
-producer that died or hangs costs a consumer at most `side_channel_timeout_s`.
+With the service's transfer key every request and reply is signed (auth.py): a client
+without the key gets a 401 and nothing else, and a consumer takes no reply that the key
+did not sign. Renewals and frees name their reader (the consumer's NIXL agent), never "".
+
+HTTP keeps the channel debuggable with curl; every client call has a connect and a read
+timeout, so a producer that died or hangs costs a consumer at most their sum.
 """
 
 from __future__ import annotations
 
 import http.client
 import logging
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TypeVar
 
 import msgspec
+from kvferry.kvtransfer.auth import SIGNATURE_HEADER, SideChannelAuth
+from kvferry.kvtransfer.http_server import BoundedHTTPServer, Request, Response, ServerLimits
 from kvferry.kvtransfer.layout import KVLayout, RegionInfo
 from kvferry.kvtransfer.lease import LeaseTable
 from kvferry.kvtransfer.metrics import HoldEnd
@@ -34,8 +39,6 @@ HANDSHAKE_PATH = "/kvferry/v1/handshake"
 RENEW_PATH = "/kvferry/v1/renew"
 FREE_PATH = "/kvferry/v1/free"
 _CONTENT_TYPE = "application/msgpack"
-# Largest request body accepted: a heartbeat naming many thousands of request ids.
-_MAX_BODY_BYTES = 1 << 20
 
 
 class HandshakeInfo(msgspec.Struct, frozen=True):
@@ -63,7 +66,7 @@ class LeaseRequest(msgspec.Struct, frozen=True):
     agent_name: str
     req_ids: list[str]
     # The consumer asking (its NIXL agent name): the first to renew a hold is its only
-    # reader; "" speaks for no one in particular.
+    # reader. Required: a request that names no reader is refused.
     reader: str = ""
 
 
@@ -82,37 +85,71 @@ class SideChannelError(Exception):
     """A side-channel call failed: refused, timed out, or answered with an error."""
 
 
-class SideChannelServer:
-    """Serves one producer's handshake and leases from a background thread."""
+class SideChannelAuthError(SideChannelError):
+    """The producer refused the consumer's signature, or its reply was not signed with the
+    service's key (another key, or not a producer of this service)."""
 
-    def __init__(self, host: str, port: int, info: HandshakeInfo, leases: LeaseTable) -> None:
+
+class SideChannelServer:
+    """Serves one producer's handshake and leases from a background thread.
+
+    `auth` None serves anyone (an insecure pod); otherwise only signed requests.
+    """
+
+    def __init__(self, host: str, port: int, info: HandshakeInfo, leases: LeaseTable,
+                 auth: SideChannelAuth | None, limits: ServerLimits | None = None) -> None:
         self.info = info
         self.leases = leases
+        self.auth = auth
         self._encoded_info = msgspec.msgpack.encode(info)
-        self._httpd = ThreadingHTTPServer((host, port), _make_handler(self))
-        self._httpd.daemon_threads = True
-        # A short poll interval only bounds how long close() waits for the serving thread.
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, args=(0.05,), name="kvferry-side-channel",
-            daemon=True,
-        )
+        self._http = BoundedHTTPServer(host, port, self.respond, "kvferry-side-channel", limits)
 
     @property
     def port(self) -> int:
-        return self._httpd.server_address[1]
+        return self._http.port
+
+    @property
+    def num_connections(self) -> int:
+        return self._http.num_connections
 
     def start(self) -> None:
-        self._thread.start()
-        logger.info("KV side channel serving engine %s on port %d", self.info.engine_id, self.port)
+        self._http.start()
+        logger.info("KV side channel serving engine %s on port %d (%s)", self.info.engine_id,
+                    self.port, "signed requests only" if self.auth else "INSECURE: no key")
 
     def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
+        self._http.close()
+
+    def respond(self, request: Request) -> Response:
+        """Answers one request: 401 unless signed (with a key), then the path's answer."""
+        nonce = None
+        if self.auth is not None:
+            nonce, why = self.auth.check_request(request.method, request.path, request.body,
+                                                 request.headers.get(SIGNATURE_HEADER.lower()))
+            if nonce is None:
+                return Response(401, f"side channel request not authenticated: {why}".encode())
+        response = self._route(request)
+        if nonce is None or self.auth is None:
+            return response
+        signature = self.auth.sign_reply(nonce, response.status, response.body)
+        return Response(response.status, response.body, response.content_type,
+                        ((SIGNATURE_HEADER, signature),))
+
+    def _route(self, request: Request) -> Response:
+        if request.method == "GET" and request.path == HANDSHAKE_PATH:
+            return Response(200, self._encoded_info, _CONTENT_TYPE)
+        if request.method != "POST" or request.path not in (RENEW_PATH, FREE_PATH):
+            return Response(404, b"unknown path")
+        try:
+            return Response(200, self.handle(request.path, request.body), _CONTENT_TYPE)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+            return Response(400, f"bad request body: {e}".encode())
 
     def handle(self, path: str, body: bytes) -> bytes:
-        """Answers one POST; raises ValueError for a request it cannot serve."""
+        """Answers one renewal or free; raises ValueError for a request it cannot serve."""
         request = msgspec.msgpack.decode(body, type=LeaseRequest)
+        if not request.reader:
+            raise ValueError("reader must name the consumer (its NIXL agent name)")
         block_ids: list[list[list[int]]] = []
         if request.agent_name and request.agent_name != self.info.agent_name:
             # Meant for an earlier incarnation of this producer: none of its holds exist.
@@ -132,56 +169,23 @@ class SideChannelServer:
         return self._encoded_info
 
 
-def _make_handler(server: SideChannelServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        # Headers and body go out in two writes; with Nagle on, the body would wait for the
-        # client's delayed ACK (~40 ms a call).
-        disable_nagle_algorithm = True
-
-        def do_GET(self) -> None:
-            if self.path != HANDSHAKE_PATH:
-                self._reply(404, b"unknown path")
-                return
-            self._reply(200, server.encoded_info, _CONTENT_TYPE)
-
-        def do_POST(self) -> None:
-            if self.path not in (RENEW_PATH, FREE_PATH):
-                self._reply(404, b"unknown path")
-                return
-            length = int(self.headers.get("Content-Length") or 0)
-            if not 0 < length <= _MAX_BODY_BYTES:
-                self._reply(400, b"body must be 1 byte to 1 MiB of msgpack")
-                return
-            try:
-                answer = server.handle(self.path, self.rfile.read(length))
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                self._reply(400, f"bad request body: {e}".encode())
-                return
-            self._reply(200, answer, _CONTENT_TYPE)
-
-        def _reply(self, status: int, body: bytes, content_type: str = "text/plain") -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:
-            logger.debug("side channel: " + format, *args)
-
-    return Handler
-
-
 class SideChannelClient:
-    """A consumer's calls to one producer's side channel; each bounded by `timeout_s`."""
+    """A consumer's calls to one producer's side channel.
 
-    def __init__(self, host: str, port: int, timeout_s: float, reader: str = "") -> None:
+    Each call connects within `connect_timeout_s` and is answered within `timeout_s`;
+    with `auth` every request is signed and every reply must be.
+    """
+
+    def __init__(self, host: str, port: int, timeout_s: float, reader: str = "",
+                 auth: SideChannelAuth | None = None,
+                 connect_timeout_s: float | None = None) -> None:
         self.host = host
         self.port = port
         self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s or timeout_s
         # This consumer's NIXL agent name, sent with renewals and frees.
         self.reader = reader
+        self.auth = auth
 
     @property
     def address(self) -> str:
@@ -202,22 +206,41 @@ class SideChannelClient:
         )
 
     def _call(self, method: str, path: str, body: bytes | None, reply_type: type[_T]) -> _T:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
-        try:
-            headers = {"Content-Type": _CONTENT_TYPE} if body is not None else {}
-            conn.request(method, path, body=body, headers=headers)
-            response = conn.getresponse()
-            data = response.read()
-        except (OSError, http.client.HTTPException) as e:
-            raise SideChannelError(f"side channel {self.address}{path}: {e}") from e
-        finally:
-            conn.close()
-        if response.status != 200:
+        headers = {"Content-Type": _CONTENT_TYPE} if body is not None else {}
+        nonce = ""
+        if self.auth is not None:
+            headers[SIGNATURE_HEADER], nonce = self.auth.sign_request(method, path, body or b"")
+        status, data, signature = self._exchange(method, path, body, headers)
+        if status == 401:
+            raise SideChannelAuthError(
+                f"side channel {self.address}{path} refused this consumer's signature: the "
+                f"producer runs with another KV transfer key (or none)")
+        if self.auth is not None and not self.auth.reply_verifies(nonce, status, data, signature):
+            raise SideChannelAuthError(
+                f"side channel {self.address}{path}: the reply is not signed with this "
+                "service's KV transfer key: not a producer of this service")
+        if status != 200:
             raise SideChannelError(
-                f"side channel {self.address}{path} answered {response.status}: "
+                f"side channel {self.address}{path} answered {status}: "
                 f"{data[:200].decode(errors='replace')}"
             )
         try:
             return msgspec.msgpack.decode(data, type=reply_type)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise SideChannelError(f"side channel {self.address}{path}: bad reply: {e}") from e
+
+    def _exchange(self, method: str, path: str, body: bytes | None,
+                  headers: dict[str, str]) -> tuple[int, bytes, str | None]:
+        """(status, body, signature header) of one request on a fresh connection."""
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.connect_timeout_s)
+        try:
+            conn.connect()
+            assert conn.sock is not None
+            conn.sock.settimeout(self.timeout_s)
+            conn.request(method, path, body=body, headers=headers)
+            response = conn.getresponse()
+            return response.status, response.read(), response.getheader(SIGNATURE_HEADER)
+        except (OSError, http.client.HTTPException) as e:
+            raise SideChannelError(f"side channel {self.address}{path}: {e}") from e
+        finally:
+            conn.close()

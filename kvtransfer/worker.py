@@ -47,6 +47,7 @@ class KVConnectorWorker(KVConnectorWorkerBase):
     """Moves KV blocks for one engine, as producer and as consumer."""
 
     def __init__(self, config: KVTransferConfig, metrics: KVTransferMetrics) -> None:
+        config.require_may_transfer()
         self.config = config
         self.metrics = metrics
         self.engine_id = config.engine_id or uuid.uuid4().hex[:12]
@@ -88,11 +89,12 @@ class KVConnectorWorker(KVConnectorWorkerBase):
             compatibility_hash(self.config.model_id, self._layouts),
         )
         engines = RemoteEngines(self._backend, local)
+        auth = self.config.side_channel_auth()
         self._puller = Puller(self.config, self.metrics, self._backend, engines,
-                              (self._layouts, self._regions), self._wake.set)
+                              (self._layouts, self._regions), self._wake.set, auth)
         self._server = SideChannelServer(
             self.config.side_channel_host, self.config.side_channel_port,
-            self._handshake_info(local), self.leases,
+            self._handshake_info(local), self.leases, auth,
         )
         self._server.start()
         self._thread = threading.Thread(target=self._run, name="kvferry-transfer", daemon=True)
@@ -196,3 +198,4 @@ class KVConnectorWorker(KVConnectorWorkerBase):
             self._server.close()
         if self._backend is not None:
             self._backend.close()
+

@@ -26,6 +26,11 @@ from kvferry.operator.labels import MANAGED_BY, SERVICE_LABEL
 APPLIED_ANNOTATION = "kvferry.dev/applied"
 """Child annotation: sha256 of the body the operator last applied (without this annotation)."""
 
+GENERATED_FOR_ANNOTATION = "kvferry.dev/generated-for"
+"""Annotation of a generated (create-only) child: what it was generated for. A create-only
+child is never patched; one whose live value differs from the desired one is replaced
+(deleted, then created anew), which is how a generated Secret is rotated on request."""
+
 HANDOVER_MANAGER = "kvferry-handover-to-hpa"
 """Field manager that briefly co-owns a Deployment's replicas while an HPA takes them over."""
 
@@ -75,6 +80,17 @@ def with_applied_hash(manifest: dict[str, Any]) -> dict[str, Any]:
     meta = dict(manifest["metadata"])
     meta["annotations"] = {**meta.get("annotations", {}), APPLIED_ANNOTATION: applied_hash(manifest)}
     return {**manifest, "metadata": meta}
+
+
+def generated_for(manifest: dict[str, Any]) -> str:
+    """A generated child's GENERATED_FOR_ANNOTATION ("" when it has none)."""
+    return str(((manifest.get("metadata") or {}).get("annotations") or {})
+               .get(GENERATED_FOR_ANNOTATION, ""))
+
+
+def needs_regeneration(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:
+    """True when a live create-only child was generated for something else than asked now."""
+    return live is not None and generated_for(live) != generated_for(desired)
 
 
 def needs_apply(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:

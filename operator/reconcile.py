@@ -1,10 +1,10 @@
 """Level-based reconcile of one InferenceService: render, prune, apply what differs, write status.
 
 Idempotent: with nothing changed it only reads (one labelled list per child kind and one GET
-of the managed Redis Secret) and writes nothing, so an operator restart, a repeated event or
-a resync is harmless. The first reconcile of a new service applies its children without
-reading them first (server-side apply creates what is missing), so a new service costs one
-request per child.
+per generated Secret: the KV transfer key, the managed Redis password) and writes nothing,
+so an operator restart, a repeated event or a resync is harmless. The first reconcile of a
+new service applies its children without reading them first (server-side apply creates
+what is missing), so a new service costs one request per child.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from kvferry.operator.children import (
     LISTED_KINDS,
     ChildKey,
     needs_apply,
+    needs_regeneration,
     needs_replicas_handover,
     replicas_handover,
     stale_children,
@@ -28,6 +29,7 @@ from kvferry.operator.children import (
 from kvferry.operator.kube import FIELD_MANAGER, ApiError, KubeClient
 from kvferry.operator.labels import MANAGED_BY, SERVICE_LABEL
 from kvferry.operator.render import Child, render_children
+from kvferry.operator.render_kv_key import kv_transfer_key_secret
 from kvferry.operator.render_redis import redis_password_secret
 from kvferry.operator.render_router import service_url
 from kvferry.operator.spec import InferenceServiceSpec, SpecError, parse_spec
@@ -95,18 +97,18 @@ async def find_problems(client: KubeClient, spec: InferenceServiceSpec) -> list[
 async def read_children(client: KubeClient, spec: InferenceServiceSpec) -> dict[ChildKey, dict[str, Any]]:
     """Every child the operator may have made for this service, found by its labels.
 
-    Secrets are read by name (the only one the operator makes is the managed Redis
-    password), so the operator never needs to list Secrets.
+    Secrets are read by name (the operator makes only the KV transfer key and the managed
+    Redis password), so the operator never needs to list Secrets.
     """
     selector = {"app.kubernetes.io/managed-by": MANAGED_BY, SERVICE_LABEL: spec.name}
     live: dict[ChildKey, dict[str, Any]] = {}
     for kind in LISTED_KINDS:
         for obj in await client.list_by_labels(kind, spec.namespace, selector):
             live[(kind, obj["metadata"]["name"])] = obj
-    secret_name = redis_password_secret(spec.name)
-    secret = await client.get("Secret", spec.namespace, secret_name)
-    if secret is not None:
-        live[("Secret", secret_name)] = secret
+    for secret_name in (kv_transfer_key_secret(spec.name), redis_password_secret(spec.name)):
+        secret = await client.get("Secret", spec.namespace, secret_name)
+        if secret is not None:
+            live[("Secret", secret_name)] = secret
     return live
 
 
@@ -124,9 +126,15 @@ async def prune(client: KubeClient, spec: InferenceServiceSpec, owner_uid: str, 
 
 async def _create_once(client: KubeClient, namespace: str, child: Child,
                        live: dict[str, Any] | None, outcome: Outcome) -> dict[str, Any]:
-    # A generated Secret is created once and never rewritten: a new random password would
-    # lock out the pods using the old one. So it is POSTed (a conflict means it exists),
-    # never applied, which would overwrite it.
+    # A generated Secret is created once and never rewritten: a new random password or key
+    # would lock out the pods using the old one. So it is POSTed (a conflict means it
+    # exists), never applied, which would overwrite it; only a rotation asked for replaces it.
+    if needs_regeneration(child.manifest, live):
+        assert live is not None
+        if await client.delete(child.kind, namespace, child.name, live["metadata"]["uid"]):
+            outcome.deleted.append(f"{child.kind}/{child.name}")
+            outcome.deleted_uids.add(live["metadata"]["uid"])
+        live = None
     if live is not None:
         return live
     try:

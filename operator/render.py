@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvferry.operator.labels import NIXL_PORT, REDIS_PORT, child_name, labels
+from kvferry.operator.render_kv_key import render_kv_transfer_key
 from kvferry.operator.render_network import render_network_policies
 from kvferry.operator.render_pod import config_checksum
 from kvferry.operator.render_pools import PodContext, render_pool
@@ -23,7 +24,9 @@ class Child:
     """One object the operator keeps in place for an InferenceService."""
 
     manifest: dict[str, Any]  # the desired object (apiVersion, kind, metadata.name, ...)
-    create_only: bool = False  # created when missing, never patched (generated Secrets)
+    # Created when missing, never patched (generated Secrets); replaced when generated for
+    # another rotation (children.GENERATED_FOR_ANNOTATION).
+    create_only: bool = False
 
     @property
     def kind(self) -> str:
@@ -90,7 +93,8 @@ def _secret_env(var: str, secret: str, key: str) -> dict[str, Any]:
 def render_children(spec: InferenceServiceSpec) -> list[Child]:
     """Every child of the service, in apply order (config and Redis before the pods)."""
     config_map = render_config_map(spec)
-    children = [Child(config_map)]
+    # Generated Secrets are created once (and replaced only on request), never patched.
+    children = [Child(config_map), Child(render_kv_transfer_key(spec), create_only=True)]
     if spec.redis.is_managed:
         secret, *rest = render_redis(spec)
         children += [Child(secret, create_only=True)] + [Child(m) for m in rest]

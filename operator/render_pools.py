@@ -14,6 +14,7 @@ from kvferry.operator.labels import (
     scrape_annotations,
     selector_labels,
 )
+from kvferry.operator.render_kv_key import kv_transfer_key_annotations, kv_transfer_key_env
 from kvferry.operator.render_pod import (
     CONFIG_CHECKSUM_ANNOTATION,
     TMP_SIZE_LIMIT,
@@ -160,7 +161,8 @@ def _engine_container(spec: InferenceServiceSpec, pool: PoolSpec, ctx: PodContex
             {"name": "nixl", "containerPort": NIXL_PORT, "protocol": "TCP"},
         ],
         "env": [*ctx.redis_env, *cache_env(), {"name": "KVFERRY_ROLE", "value": pool.role},
-                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                kv_transfer_key_env(spec)],
         "envFrom": [{"configMapRef": {"name": ctx.config_map}}],
         "volumeMounts": [*model_mounts, *writable_mounts],
         "securityContext": container_security_context(),
@@ -215,7 +217,8 @@ def render_deployment(spec: InferenceServiceSpec, pool: PoolSpec, ctx: PodContex
     """
     component = pool.name
     pod_labels = labels(spec.name, component)
-    annotations = {**scrape_annotations(), CONFIG_CHECKSUM_ANNOTATION: ctx.config_checksum}
+    annotations = {**scrape_annotations(), CONFIG_CHECKSUM_ANNOTATION: ctx.config_checksum,
+                   **kv_transfer_key_annotations(spec)}
     deployment_spec: dict[str, Any] = {
         "selector": {"matchLabels": selector_labels(spec.name, component)},
         "strategy": render_strategy(pool.strategy),

@@ -15,6 +15,9 @@ from kvferry.operator.quantity import QuantityError, canonical_quantity
 from kvferry.operator.schema import admit
 
 POOL_NAMES = ("encoder", "prefill", "decode")
+# InferenceService annotation: a new value asks for a new KV transfer key. Not under
+# `kvferry.dev/`: kopf keeps its own state there and ignores changes to those annotations.
+KEY_ROTATION_ANNOTATION = "rotation.kvferry.dev/kv-transfer-key"
 """Pools in request order: encoder -> prefill -> decode."""
 
 DEFAULT_ROUTING = {"encoder": "least-loaded", "prefill": "prefix-aware", "decode": "least-loaded"}
@@ -163,6 +166,9 @@ class RedisSpec:
 class KVTransferSpec:
     lease_seconds: int  # a prefill pod frees unpulled blocks after this long
     failure_policy: str  # recompute | fail
+    # The service's `rotation.kvferry.dev/kv-transfer-key` annotation ("" when unset): a new
+    # value asks for a new KV transfer key (operator/render_kv_key.py).
+    key_rotation: str = ""
 
 
 @dataclass(frozen=True)
@@ -237,6 +243,8 @@ def _build(name: str, defaulted: dict[str, Any], default_namespace: str) -> Infe
         kv_transfer=KVTransferSpec(
             lease_seconds=spec["kvTransfer"]["leaseSeconds"],
             failure_policy=spec["kvTransfer"]["failurePolicy"],
+            key_rotation=str((defaulted["metadata"].get("annotations") or {})
+                             .get(KEY_ROTATION_ANNOTATION, "")),
         ),
         network_policy=NetworkPolicySpec(
             enabled=spec["networkPolicy"]["enabled"],

@@ -162,8 +162,11 @@ class KVConnector:
         self.worker.shutdown()
 
 
-def start_kv_connector(config: Any, kv_cache: torch.Tensor, block_size: int) -> KVConnector:
-    """The connector `config` names, with `kv_cache` registered for transfers.
+def start_kv_connector(
+    config: Any, kv_cache: torch.Tensor, block_size: int
+) -> KVConnector | None:
+    """The connector `config` names, with `kv_cache` registered for transfers; None when
+    the config allows no transfer (the engine then runs without one).
 
     Only the NIXL connector exists; it is imported here, when an engine runs one.
     """

@@ -49,6 +49,8 @@ from kvferry.engine.frontend.stats import IterationStats
 from kvferry.engine.frontend.tokenizer import Tokenizer
 from kvferry.engine.models.source import resolve_model_source
 from kvferry.engine.sampling_params import SamplingParams
+from kvferry.kvtransfer.admission import TransferAdmission
+from kvferry.kvtransfer.params import KVTransferParams
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +87,8 @@ class AsyncLLM:
         self.config = config
         self.info = info
         self.tokenizer = tokenizer
-        self.input_processor = InputProcessor(tokenizer, info)
+        self.input_processor = InputProcessor(tokenizer, info,
+                                              TransferAdmission(config.kv_transfer))
         self.output_processor = OutputProcessor(tokenizer)
         self.served_model_name = config.model.served_model_name or config.model.model
         self.max_num_waiting = max_num_waiting
@@ -170,7 +173,7 @@ class AsyncLLM:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: dict[str, Any] | KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields DELTA outputs of one request; the last has `finished=True`.
 
@@ -208,7 +211,7 @@ class AsyncLLM:
         params: SamplingParams,
         priority: int,
         arrival_time: float | None,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: dict[str, Any] | KVTransferParams | None = None,
     ) -> asyncio.Queue[RequestOutput | EngineDeadError]:
         self._check_serving()
         if request_id in self._queues:

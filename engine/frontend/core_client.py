@@ -23,6 +23,7 @@ import signal
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 
 import msgspec
 import zmq
@@ -87,16 +88,18 @@ class CoreClient:
             open_socket(context, zmq.PUSH, input_address, bind=True),
             open_socket(async_context, zmq.PULL, output_address, bind=True),
         )
+        config_json, secret_env = _config_for_core(config)
         try:
             client.process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "kvferry.engine.frontend.core_process",
-                "--config", msgspec.json.encode(config).decode(),
+                "--config", config_json,
                 "--input", input_address, "--output", output_address,
                 "--parent-pid", str(os.getpid()),
                 "--log-level", str(logging.getLogger("kvferry").getEffectiveLevel()),
                 # Its own session: a Ctrl-C or a signal to the server's process group does
                 # not reach it; the front end decides when and how it stops.
                 start_new_session=True,
+                env={**os.environ, **secret_env},
             )
         except BaseException:
             client.close()
@@ -202,6 +205,18 @@ class CoreClient:
         self._context.term()
         self._async_context.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+def _config_for_core(config: EngineConfig) -> tuple[str, dict[str, str]]:
+    """(the config as JSON for the core's command line, environment it needs besides).
+
+    Secrets (the KV transfer key) travel in the environment: a command line is readable by
+    every user of the machine.
+    """
+    if config.kv_transfer is None:
+        return msgspec.json.encode(config).decode(), {}
+    transfer, env = config.kv_transfer.key_for_child()
+    return msgspec.json.encode(replace(config, kv_transfer=transfer)).decode(), env
 
 
 def _ready_info(message: CoreOutput) -> EngineCoreInfo:

@@ -294,6 +294,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", type=int, default=logging.INFO)
     args = parser.parse_args(argv)
     config = msgspec.json.decode(args.config, type=EngineConfig)
+    if config.kv_transfer is not None:
+        # The front end passes the key in the environment, never on the command line.
+        config.kv_transfer = config.kv_transfer.with_key_from(os.environ)
     run_engine_core(config, CoreAddresses(args.input, args.output), args.parent_pid, args.log_level)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from kvferry.engine.core.messages import EngineCoreInfo, EngineCoreRequest
 from kvferry.engine.frontend.tokenizer import Tokenizer
 from kvferry.engine.sampling_params import SamplingParams
+from kvferry.kvtransfer.admission import TransferAdmission
 from kvferry.kvtransfer.params import KVTransferParams
 
 # A prompt: text, token ids, or a dict with "prompt" or "prompt_token_ids".
@@ -40,10 +41,13 @@ class ProcessedPrompt:
 class InputProcessor:
     """Turns user requests into `EngineCoreRequest`s the core will accept."""
 
-    def __init__(self, tokenizer: Tokenizer, info: EngineCoreInfo) -> None:
+    def __init__(self, tokenizer: Tokenizer, info: EngineCoreInfo,
+                 admission: TransferAdmission) -> None:
         self.tokenizer = tokenizer
         self.limits = info.limits
-        self.kv_transfer_enabled = info.kv_transfer_enabled
+        # Which kv_transfer_params this pod acts on (signature, role, key); its counts are
+        # exported beside the core's transfer metrics.
+        self.admission = admission
         eos = info.eos_token_ids
         if not eos and tokenizer.eos_token_id is not None:
             eos = [tokenizer.eos_token_id]
@@ -81,9 +85,13 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float,
         priority: int = 0,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: dict[str, Any] | KVTransferParams | None = None,
     ) -> list[EngineCoreRequest]:
-        """The core requests of one user request: itself, or its `n` children."""
+        """The core requests of one user request: itself, or its `n` children.
+
+        `kv_transfer_params`: the client's object, or params `admit_kv_transfer_params`
+        returned already.
+        """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if CHILD_ID_SEPARATOR in request_id:
@@ -110,18 +118,22 @@ class InputProcessor:
             for child_id, child_params in children
         ]
 
-    def _check_kv_transfer_params(
-        self, data: dict[str, Any] | None, params: SamplingParams
-    ) -> KVTransferParams | None:
-        """Parses and validates them, once: a bad object is the client's 400, and the core
-        receives them typed (its KV connector reads them; the core does not)."""
+    def admit_kv_transfer_params(self, data: dict[str, Any] | None) -> KVTransferParams | None:
+        """Parses the client's object, once, and applies the pod's admission (admission.py).
+
+        None: no params, or params refused under policy `recompute` (compute locally).
+        Raises ValueError with the client's 400 message.
+        """
         transfer = KVTransferParams.from_dict(data)
-        if transfer is None:
-            return None
-        if not self.kv_transfer_enabled:
-            raise ValueError("kv_transfer_params: this server runs without KV transfer "
-                             "(start it with --role prefill, decode, or --kv-transfer)")
-        if params.n != 1:
+        return None if transfer is None else self.admission.admit(transfer)
+
+    def _check_kv_transfer_params(
+        self, data: dict[str, Any] | KVTransferParams | None, params: SamplingParams
+    ) -> KVTransferParams | None:
+        """Admitted params, typed (the core's KV connector reads them; the core does not)."""
+        transfer = (data if isinstance(data, KVTransferParams)
+                    else self.admit_kv_transfer_params(data))
+        if transfer is not None and params.n != 1:
             raise ValueError("kv_transfer_params need n=1")
         return transfer
 

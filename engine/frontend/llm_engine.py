@@ -28,6 +28,7 @@ from kvferry.engine.frontend.tokenizer import Tokenizer
 from kvferry.engine.models.source import resolve_model_source
 from kvferry.engine.runner.model_runner import ModelRunner
 from kvferry.engine.sampling_params import SamplingParams
+from kvferry.kvtransfer.admission import TransferAdmission
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(
             resolve_model_source(tokenizer_dir) if tokenizer_dir else core.model_dir
         )
-        self.input_processor = InputProcessor(self.tokenizer, core.info)
+        self.input_processor = InputProcessor(self.tokenizer, core.info,
+                                              TransferAdmission(config.kv_transfer))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._request_counter = itertools.count()

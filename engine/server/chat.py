@@ -36,6 +36,7 @@ from kvferry.engine.server.serving import (
     ChoiceState,
     RequestRecord,
     abort_on_disconnect,
+    admit_kv_transfer_params,
     check_model,
     check_queue_room,
     check_request_fits,
@@ -46,6 +47,7 @@ from kvferry.engine.server.serving import (
     stream_outputs,
 )
 from kvferry.engine.server.state import ServerState
+from kvferry.kvtransfer.params import KVTransferParams
 
 from kvferry.protocol.errors import error_body
 
@@ -62,6 +64,8 @@ class ChatJob:
     prompt: ProcessedPrompt
     params: SamplingParams
     record: RequestRecord
+    # The body's kv_transfer_params as admitted (None: none, or refused and computed here).
+    kv_transfer_params: KVTransferParams | None = None
 
     async def abort(self) -> None:
         await self.engine.abort(self.response_id)
@@ -109,11 +113,12 @@ def prepare(state: ServerState, body: ChatCompletionRequest, request: Request) -
         else "max_tokens"
     check_request_fits(engine, [prompt], params, max_tokens_param)
     check_queue_room(engine, state.settings.max_num_waiting)
+    kv_transfer_params = admit_kv_transfer_params(engine, body.kv_transfer_params)
     record.num_prompt_tokens = len(prompt.prompt_token_ids)
     if state.settings.log_prompts:
         record.prompt_text = text
     return ChatJob(body, engine, random_id("chatcmpl"), state.served_model_name, now(),
-                   prompt, params, record)
+                   prompt, params, record, kv_transfer_params)
 
 
 async def collect_chat(job: ChatJob, request: Request) -> ChatCompletionResponse:
@@ -123,7 +128,7 @@ async def collect_chat(job: ChatJob, request: Request) -> ChatCompletionResponse
         async with abort_on_disconnect(request.receive, job.abort):
             async for _, output in stream_outputs(
                 job.engine, [job.response_id], [job.prompt], job.params, job.body.priority,
-                job.body.kv_transfer_params,
+                job.kv_transfer_params,
             ):
                 kv_transfer_params = output.kv_transfer_params or kv_transfer_params
                 for delta in output.outputs:
@@ -184,7 +189,7 @@ async def stream_chat(job: ChatJob, request: Request) -> AsyncIterator[bytes]:
         async with abort_on_disconnect(request.receive, job.abort):
             async for _, output in stream_outputs(
                 job.engine, [job.response_id], [job.prompt], job.params, body.priority,
-                body.kv_transfer_params,
+                job.kv_transfer_params,
             ):
                 for delta in output.outputs:
                     choice = choices[delta.index]

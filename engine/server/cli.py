@@ -17,10 +17,16 @@ from typing import TYPE_CHECKING
 
 from kvferry.engine.arg_utils import add_engine_arguments, engine_config_from_args
 from kvferry.engine.server.state import DEFAULT_MAX_BODY_BYTES
-from kvferry.kvtransfer.args import add_kv_transfer_arguments, kv_transfer_config
+from kvferry.kvtransfer.args import (
+    add_kv_transfer_arguments,
+    kv_transfer_config,
+    read_transfer_key,
+)
+from kvferry.kvtransfer.auth import KEY_ENV
 
 if TYPE_CHECKING:
     from kvferry.engine.server.registry import RegistrationSettings
+    from kvferry.kvtransfer.config import KVTransferConfig
 
 ROLES = ("both", "prefill", "decode", "encoder")
 KV_FAILURE_POLICIES = ("recompute", "fail")
@@ -182,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args)
         config.kv_transfer = kv_transfer_config(
             args, env.nixl_port, env.kv_lease_seconds, env.kv_failure_policy,
-            env.pod_ip,
+            env.pod_ip, read_transfer_key(args, os.environ),
         )
         settings = ServerSettings(
             host=args.host, port=args.port, api_key=read_api_key(args, os.environ),
@@ -198,4 +204,20 @@ def run(args: argparse.Namespace) -> int:
     if args.enable_prompt_embeds:
         logging.getLogger(__name__).warning(
             "--enable-prompt-embeds: the HTTP API takes no prompt embeddings yet; ignored")
+    _warn_about_transfer_security(config.kv_transfer)
     return serve(config, settings)
+
+
+def _warn_about_transfer_security(config: KVTransferConfig | None) -> None:
+    """A pod that transfers KV without a key says so at start, once."""
+    log = logging.getLogger(__name__)
+    if config is None or config.transfer_key is not None:
+        return
+    if config.insecure:
+        log.warning("--kv-transfer-insecure: KV transfer params are neither signed nor checked "
+                    "and the side channel serves anyone who reaches it; run this only on a "
+                    "network where every client is trusted")
+    else:
+        log.warning("no KV transfer key: this %s pod starts no KV connector and refuses "
+                    "requests with kv_transfer_params; give every pod of the service the same "
+                    "key with --kv-transfer-key-file FILE or $%s", config.role, KEY_ENV)

@@ -28,6 +28,7 @@ from kvferry.engine.server.serving import (
     ChoiceState,
     RequestRecord,
     abort_on_disconnect,
+    admit_kv_transfer_params,
     check_model,
     check_queue_room,
     check_request_fits,
@@ -39,6 +40,7 @@ from kvferry.engine.server.serving import (
     sub_request_ids,
 )
 from kvferry.engine.server.state import ServerState
+from kvferry.kvtransfer.params import KVTransferParams
 
 from kvferry.protocol.errors import error_body
 
@@ -55,6 +57,8 @@ class CompletionJob:
     prompts: list[ProcessedPrompt]
     params: SamplingParams
     record: RequestRecord
+    # The body's kv_transfer_params as admitted (None: none, or refused and computed here).
+    kv_transfer_params: KVTransferParams | None = None
 
     @property
     def request_ids(self) -> list[str]:
@@ -92,11 +96,12 @@ def prepare(state: ServerState, body: CompletionRequest, request: Request) -> Co
     prompts = [_process(engine, p, body.add_special_tokens) for p in body.prompts()]
     check_request_fits(engine, prompts, params, "max_tokens")
     check_queue_room(engine, state.settings.max_num_waiting)
+    kv_transfer_params = admit_kv_transfer_params(engine, body.kv_transfer_params)
     record.num_prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
     if state.settings.log_prompts:
         record.prompt_text = " | ".join(p.prompt or str(p.prompt_token_ids) for p in prompts)
     return CompletionJob(body, engine, random_id("cmpl"), state.served_model_name, now(),
-                         prompts, params, record)
+                         prompts, params, record, kv_transfer_params)
 
 
 def _process(engine: AsyncLLM, prompt: str | list[int], add_special_tokens: bool) -> ProcessedPrompt:
@@ -116,7 +121,7 @@ async def collect_completion(job: CompletionJob, request: Request) -> Completion
         async with abort_on_disconnect(request.receive, job.abort):
             async for prompt_index, output in stream_outputs(
                 job.engine, job.request_ids, job.prompts, job.params, job.body.priority,
-                job.body.kv_transfer_params,
+                job.kv_transfer_params,
             ):
                 kv_transfer_params = output.kv_transfer_params or kv_transfer_params
                 for delta in output.outputs:
@@ -175,7 +180,7 @@ async def stream_completion(job: CompletionJob, request: Request) -> AsyncIterat
         async with abort_on_disconnect(request.receive, job.abort):
             async for prompt_index, output in stream_outputs(
                 job.engine, job.request_ids, job.prompts, job.params, body.priority,
-                body.kv_transfer_params,
+                job.kv_transfer_params,
             ):
                 for delta in output.outputs:
                     key = (prompt_index, delta.index)

@@ -2,8 +2,9 @@
 
 The transfer layer's counters are cumulative in the core (KVTransferStats, carried in each
 step's SchedulerStats), so this collector exports the last snapshot as it is: counters,
-the pull-duration histogram with its buckets made cumulative, and the gauges. A server
-without a KV connector exports none of them.
+the pull-duration histogram with its buckets made cumulative, and the gauges. Params the
+front end refused before they reached the core (admission.py) are added to the failures
+and fallbacks. A server without a KV connector exports none of them.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from itertools import accumulate
 
+from kvferry.kvtransfer.admission import TransferAdmission
 from kvferry.kvtransfer.metrics import PULL_SECONDS_BUCKETS, FailureReason, KVTransferStats
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -24,8 +26,9 @@ from prometheus_client.registry import Collector
 class KVTransferCollector(Collector):
     """Exports the newest transfer snapshot handed to `update`."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, admission: TransferAdmission | None = None) -> None:
         self.model_name = model_name
+        self.admission = admission
         self._stats: KVTransferStats | None = None
         self._num_fallbacks = 0
         self._num_waiting_for_remote_kv = 0
@@ -45,14 +48,16 @@ class KVTransferCollector(Collector):
         yield _counter("kvferry:kv_transfer_bytes", "Bytes of KV pulled from remote engines",
                        labels, values, s.bytes_pulled)
         yield self._pull_seconds(s)
+        refused, refused_fallbacks = self._refused_by_front_end()
         failures = CounterMetricFamily("kvferry:kv_transfer_failures",
                                        "Failed KV pulls by reason", labels=["model_name", "reason"])
         for reason in FailureReason:
-            failures.add_metric([self.model_name, reason.value], s.failures.get(reason.value, 0))
+            count = s.failures.get(reason.value, 0) + refused.get(reason.value, 0)
+            failures.add_metric([self.model_name, reason.value], count)
         yield failures
         yield _counter("kvferry:kv_transfer_fallbacks",
                        "Requests whose pull failed and that were computed here instead",
-                       labels, values, self._num_fallbacks)
+                       labels, values, self._num_fallbacks + refused_fallbacks)
         held = GaugeMetricFamily("kvferry:kv_blocks_held_for_transfer",
                                  "KV blocks held for remote pulls", labels=labels)
         held.add_metric(values, s.blocks_held)
@@ -66,6 +71,11 @@ class KVTransferCollector(Collector):
         yield _counter("kvferry:kv_lease_expirations",
                        "Holds ended because no pull or heartbeat came within the lease",
                        labels, values, s.lease_expirations)
+
+    def _refused_by_front_end(self) -> tuple[dict[str, int], int]:
+        if self.admission is None:
+            return {}, 0
+        return self.admission.metrics.snapshot().failures, self.admission.num_fallbacks
 
     def _pull_seconds(self, s: KVTransferStats) -> HistogramMetricFamily:
         bounds = [str(b) for b in PULL_SECONDS_BUCKETS] + ["+Inf"]

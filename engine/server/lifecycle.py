@@ -89,7 +89,7 @@ class Lifecycle:
         info = engine.info
         state.metrics = EngineMetrics(engine.served_model_name, info.block_size,
                                       info.num_blocks - 1, self.config.cache.enable_prefix_caching,
-                                      info.kv_transfer_enabled)
+                                      info.kv_transfer_enabled, engine.input_processor.admission)
         engine.add_stats_listener(state.metrics.record)
         engine.add_dead_listener(lambda error: self._fail(str(error)))
         if state.phase is Phase.LOADING:

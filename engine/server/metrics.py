@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 if TYPE_CHECKING:
     from kvferry.engine.core.messages import SchedulerStats
     from kvferry.engine.frontend.stats import IterationStats
+    from kvferry.kvtransfer.admission import TransferAdmission
 
 __all__ = ["PROMETHEUS_CONTENT_TYPE", "EngineMetrics"]
 
@@ -37,7 +38,8 @@ class EngineMetrics:
     """The server's metrics in a registry of their own (no process-wide globals)."""
 
     def __init__(self, model_name: str, block_size: int, num_gpu_blocks: int,
-                 enable_prefix_caching: bool, kv_transfer_enabled: bool = False) -> None:
+                 enable_prefix_caching: bool, kv_transfer_enabled: bool = False,
+                 admission: TransferAdmission | None = None) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self._last_prefix_queries = 0
@@ -46,7 +48,7 @@ class EngineMetrics:
         self._make_gauges(block_size, num_gpu_blocks, enable_prefix_caching)
         self._make_counters()
         self._make_histograms()
-        self.kv_transfer = KVTransferCollector(model_name)
+        self.kv_transfer = KVTransferCollector(model_name, admission)
         if kv_transfer_enabled:
             # Zeros from the start, so a rate() sees the first transfer.
             self.kv_transfer.update(KVTransferStats(), 0, 0)

@@ -16,6 +16,7 @@ from kvferry.engine.frontend.outputs import CompletionOutput, Logprob, RequestOu
 from kvferry.engine.sampling_params import SamplingParams
 from kvferry.engine.server.errors import ApiError, bad_request, request_logger, unavailable
 from kvferry.engine.server.protocol import param_of_message
+from kvferry.kvtransfer.params import KVTransferParams
 from starlette.types import Receive
 
 logger = request_logger
@@ -34,6 +35,17 @@ def process_prompt(engine: AsyncLLM, prompt: PromptType, param: str) -> Processe
         return engine.input_processor.process_prompt(prompt)
     except ValueError as exc:
         raise bad_request(str(exc), param=param) from None
+
+
+def admit_kv_transfer_params(engine: AsyncLLM,
+                             data: dict[str, Any] | None) -> KVTransferParams | None:
+    """The request's transfer params as this pod will act on them (None: none, or refused
+    and computed here); a 400 for params it refuses. Decided before a stream starts, so a
+    streamed request is refused with a status, not with an error event."""
+    try:
+        return engine.input_processor.admit_kv_transfer_params(data)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="kv_transfer_params") from None
 
 
 def check_text_fits(engine: AsyncLLM, text: str, param: str) -> None:
@@ -91,7 +103,7 @@ def sub_request_ids(request_id: str, num_prompts: int) -> list[str]:
 
 async def stream_outputs(
     engine: AsyncLLM, request_ids: list[str], prompts: list[ProcessedPrompt],
-    params: SamplingParams, priority: int, kv_transfer_params: dict[str, Any] | None = None,
+    params: SamplingParams, priority: int, kv_transfer_params: KVTransferParams | None = None,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, delta output) of every prompt of a request, as they arrive.
 

@@ -18,10 +18,13 @@ from kvferry.kvtransfer import (
     ProducerEndpoint,
     PullSpec,
 )
+from kvferry.kvtransfer.auth import SideChannelAuth, TransferKey, check_params, sign_params
 from kvferry.kvtransfer.lease import LeaseTable
 from kvferry.kvtransfer.params import prompt_hash
 from kvferry.kvtransfer.side_channel import SideChannelServer
 from kvferry_testing.handshakes import handshake_info
+from kvferry_testing.keys import TEST_KEY
+from kvferry_testing.listeners import SilentListener
 
 BLOCK = 16
 TOKEN = 7  # a prompt token id (the params these tests build carry no prompt hash)
@@ -38,9 +41,10 @@ class Setup:
 @pytest.fixture
 def setup() -> Iterator[Setup]:
     producer = LeaseTable(30.0, KVTransferMetrics())
-    server = SideChannelServer("127.0.0.1", 0, handshake_info(), producer)
+    server = SideChannelServer("127.0.0.1", 0, handshake_info(), producer,
+                               SideChannelAuth(TEST_KEY))
     server.start()
-    config = KVTransferConfig(heartbeat_interval_s=0.05, lease_s=30.0)
+    config = KVTransferConfig(heartbeat_interval_s=0.05, lease_s=30.0, transfer_key=TEST_KEY)
     metrics = KVTransferMetrics()
     endpoint = ProducerEndpoint("decode-0", "10.0.0.9", 7000, "agent-d")
     scheduler = KVConnectorScheduler(config, BLOCK, endpoint, LeaseTable(30.0, metrics), metrics)
@@ -50,12 +54,14 @@ def setup() -> Iterator[Setup]:
 
 
 def remote_params(port: int, block_ids: list[int], num_tokens: int,
-                  req_id: str = "p1") -> KVTransferParams:
-    return KVTransferParams(
+                  req_id: str = "p1", key: TransferKey = TEST_KEY) -> KVTransferParams:
+    """Params as the producer on `port` would return them, signed with `key`."""
+    params = KVTransferParams(
         do_remote_prefill=True, remote_engine_id="e1", remote_host="127.0.0.1",
         remote_port=port, remote_block_ids=(tuple(block_ids),), remote_request_id=req_id,
-        kvferry_agent_name="agent-1", kvferry_num_tokens=num_tokens,
+        kvferry_agent_name="agent-1", kvferry_num_tokens=num_tokens, kvferry_lease_s=30.0,
     )
+    return sign_params(params, key, time.time())
 
 
 def wait_until(condition, timeout: float = 5.0) -> None:
@@ -101,8 +107,8 @@ def test_a_pull_pairs_the_blocks_past_the_local_hits(setup: Setup) -> None:
 
 
 def test_cross_attention_blocks_are_pulled_whole(setup: Setup) -> None:
-    params = replace(remote_params(setup.port, [1], BLOCK),
-                     remote_block_ids=((11, 12), (30, 31, 32)))
+    params = sign_params(replace(remote_params(setup.port, [1], BLOCK),
+                                 remote_block_ids=((11, 12), (30, 31, 32))), TEST_KEY, time.time())
     setup.scheduler.update_state_after_alloc("d", params, [[21, 22], [40, 41, 42]], 0,
                                              2 * BLOCK - 1)
     (spec,) = setup.scheduler.build_connector_meta().pulls
@@ -188,7 +194,12 @@ def test_a_prefill_for_remote_decode_holds_its_blocks_and_returns_params(setup: 
     keep, out = scheduler.request_finished("p", params, [[5, 6, 7, 8]], tokens, 3 * BLOCK + 1,
                                            aborted=False)
 
-    assert keep
+    assert keep and out is not None
+    # Signed with the service's key, valid for one lease.
+    returned = KVTransferParams.from_dict(out)
+    assert returned is not None and check_params(returned, TEST_KEY, time.time()) is None
+    assert time.time() + 29 <= out.pop("kvferry_expires_at") <= time.time() + 31
+    assert len(out.pop("kvferry_mac")) == 64
     assert out == {
         "do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": "decode-0",
         "remote_host": "10.0.0.9", "remote_port": 7000, "remote_block_ids": [5, 6, 7, 8],
@@ -218,3 +229,84 @@ def test_other_finished_requests_free_their_blocks(
     assert setup.scheduler.request_finished("p", params, [[5]], [TOKEN] * BLOCK, BLOCK,
                                             aborted) == (False, None)
     assert setup.scheduler._leases.num_blocks_held == 0
+
+
+def test_a_decode_pod_holds_nothing_for_a_remote_decode(setup: Setup) -> None:
+    config = replace(setup.scheduler.config, role="decode")
+    metrics = KVTransferMetrics()
+    endpoint = ProducerEndpoint("decode-0", "10.0.0.9", 7000, "agent-d")
+    decode = KVConnectorScheduler(config, BLOCK, endpoint, LeaseTable(30.0, metrics), metrics)
+    try:
+        assert decode.request_finished("p", KVTransferParams(do_remote_decode=True), [[5, 6]],
+                                       [TOKEN] * 2 * BLOCK, 2 * BLOCK, False) == (False, None)
+        assert decode._leases.num_blocks_held == 0
+    finally:
+        decode.shutdown()
+
+
+def test_a_connector_without_a_key_or_insecure_does_not_start() -> None:
+    endpoint = ProducerEndpoint("decode-0", "10.0.0.9", 7000, "agent-d")
+    metrics = KVTransferMetrics()
+    with pytest.raises(ValueError, match="needs the service's transfer_key"):
+        KVConnectorScheduler(KVTransferConfig(), BLOCK, endpoint, LeaseTable(30.0, metrics),
+                             metrics)
+
+
+# ---------------------------------------------------------------------------- forged params
+OTHER_KEY = TransferKey(b"another-service-transfer-key-0123456789")
+
+
+def forged(port: int, how: str) -> KVTransferParams:
+    """Params naming the listener on `port`: unsigned, signed with another key, altered
+    after signing, or signed but expired."""
+    if how == "unsigned":
+        return replace(remote_params(port, [11], BLOCK), kvferry_mac=None)
+    if how == "another key":
+        return remote_params(port, [11], BLOCK, key=OTHER_KEY)
+    if how == "altered":
+        return replace(remote_params(port + 1, [11], BLOCK), remote_port=port)
+    params = replace(remote_params(port, [11], BLOCK), kvferry_lease_s=1.0)
+    return sign_params(params, TEST_KEY, time.time() - 60)
+
+
+@pytest.mark.parametrize(
+    ("how", "reason"),
+    [("unsigned", FailureReason.BAD_SIGNATURE), ("another key", FailureReason.BAD_SIGNATURE),
+     ("altered", FailureReason.BAD_SIGNATURE), ("expired", FailureReason.PARAMS_EXPIRED)],
+)
+@pytest.mark.parametrize("num_external", [BLOCK - 1, 0])
+def test_forged_params_make_no_connection_to_the_address_they_name(
+    setup: Setup, how: str, reason: FailureReason, num_external: int
+) -> None:
+    """Neither a handshake, a heartbeat nor a free reaches the named address; the pull
+    fails with the reason (counted), or is computed here without telling anyone."""
+    listener = SilentListener()
+    try:
+        params = forged(listener.port, how)
+        scheduler = setup.scheduler
+        scheduler.add_request("d", params)
+        assert scheduler.get_num_new_matched_tokens(params, [TOKEN] * BLOCK, 0) == BLOCK - 1
+        scheduler.update_state_after_alloc("d", params, [[21]], 0, num_external)
+        assert scheduler.build_connector_meta().pulls == []
+        done = scheduler.get_finished(KVConnectorOutput())
+        if num_external:
+            assert done.failed["d"].reason is reason
+        else:
+            assert done.failed == {}
+        scheduler.request_finished("d", params, [[21]], [TOKEN] * BLOCK, 0, aborted=True)
+        # Heartbeats every 50 ms and frees would have had time to go out.
+        time.sleep(0.3)
+        scheduler.shutdown()
+        assert listener.num_accepted == 0
+        assert scheduler._metrics.snapshot().failures == {reason.value: 1}
+    finally:
+        listener.close()
+
+
+def test_signed_params_reach_the_producer(setup: Setup) -> None:
+    """The same path with correctly signed params does contact the producer (a heartbeat
+    claims the hold), so the test above shows the signature, not a dead path."""
+    setup.producer.hold("p1", ((11,),))
+    setup.scheduler.add_request("d", remote_params(setup.port, [11], BLOCK))
+    wait_until(lambda: setup.producer.readers() == {"p1": "agent-d"})
+

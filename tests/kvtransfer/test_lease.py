@@ -38,7 +38,7 @@ def test_renewing_extends_a_hold_by_a_full_lease() -> None:
     table, clock, _ = make_table()
     table.hold("a", ((1,),))
     clock.now += 20
-    assert table.renew(["a", "unknown"]) == [True, False]
+    assert table.renew(["a", "unknown"], reader="decode-1") == [True, False]
     clock.now += 29
     assert table.expire() == []
     clock.now += 1
@@ -69,21 +69,33 @@ def test_the_reader_ends_its_hold_and_an_unclaimed_hold_is_anyones() -> None:
     assert table.renew(["a"], reader="decode-1") == [True]
     assert table.end("a", HoldEnd.PULLED, reader="decode-1")
     assert table.end("b", HoldEnd.FREED, reader="decode-2")
-    # A caller that names no reader neither claims nor is refused.
-    table.hold("c", ((3,),))
-    assert table.renew(["c"]) == [True]
-    assert table.renew(["c"], reader="decode-1") == [True]
-    assert table.renew(["c"]) == [True]
-    assert table.end("c", HoldEnd.FREED)
     stats = metrics.snapshot()
-    assert (stats.sends_pulled, stats.sends_freed, stats.blocks_held) == (1, 2, 0)
+    assert (stats.sends_pulled, stats.sends_freed, stats.blocks_held) == (1, 1, 0)
+
+
+def test_a_caller_that_names_no_reader_can_neither_renew_nor_end_a_hold() -> None:
+    table, clock, metrics = make_table()
+    table.hold("unclaimed", ((1,),))
+    table.hold("claimed", ((2,),))
+    assert table.renew(["claimed"], reader="decode-1") == [True]
+    # "" renews nothing: it neither claims the unclaimed hold nor extends a claimed one.
+    assert table.renew(["unclaimed", "claimed"], reader="") == [False, False]
+    assert table.claim(["unclaimed"], reader="") == [None]
+    assert not table.end("unclaimed", HoldEnd.FREED, reader="")
+    assert not table.end("claimed", HoldEnd.FREED, reader="")
+    assert table.readers() == {"claimed": "decode-1"}
+    # Nor does it keep them alive: both run out a lease after they started.
+    clock.now += 30
+    assert sorted(table.expire()) == ["claimed", "unclaimed"]
+    stats = metrics.snapshot()
+    assert (stats.sends_freed, stats.lease_expirations) == (0, 2)
 
 
 def test_a_hold_ends_once_whichever_way_comes_first() -> None:
     table, clock, metrics = make_table()
     table.hold("a", ((1, 2), (7,)))
-    assert table.end("a", HoldEnd.PULLED)
-    assert not table.end("a", HoldEnd.FREED)
+    assert table.end("a", HoldEnd.PULLED, reader="decode-1")
+    assert not table.end("a", HoldEnd.FREED, reader="decode-1")
     clock.now += 60
     assert table.expire() == []
     assert table.drain_ended() == ["a"]

@@ -11,9 +11,12 @@ import time
 import numpy as np
 import pytest
 from kvferry.kvtransfer import FailureReason
+from kvferry.kvtransfer.auth import sign_params
 from kvferry.kvtransfer.layout import block_runs
+from kvferry_testing.keys import TEST_KEY
 from kvferry_testing.kvt_harness import SMALL, Consumer, Producer, block_bytes, prompt
 from kvferry_testing.kvt_producer import fill_cache
+from kvferry_testing.listeners import SilentListener
 
 
 def random_block_ids(rng: np.random.Generator, count: int, num_blocks: int) -> list[int]:
@@ -330,17 +333,19 @@ def test_a_frozen_producer_fails_the_pull_within_the_side_channel_timeout(
 
 
 def test_params_naming_blocks_not_held_for_the_request_are_refused(producers, make_consumer) -> None:
-    """Forged params cannot make a consumer read another prompt's KV into its cache (and
-    from there into its prefix cache): it reads only what the producer holds for the
-    request named."""
+    """Params naming other blocks cannot make a consumer read another prompt's KV into its
+    cache (and from there into its prefix cache): it reads only what the producer holds for
+    the request named. Forged params fail their signature first (see test_connector.py);
+    these are signed with the key, as a pod's bug or a key holder could."""
     producer = producers()
     consumer = make_consumer()
     producer.hold("other", [[9]], 4)
     for i, forged in enumerate((((9,),), ((64,),), ((3, 9),))):
         params = producer.hold(f"p{i}", [[3 + i]], 4)
         local = [list(range(20, 20 + len(forged[0])))]
-        failure = consumer.pull(f"d{i}", dataclasses.replace(params, remote_block_ids=forged),
-                                local, 4 * len(forged[0]))
+        resigned = sign_params(dataclasses.replace(params, remote_block_ids=forged), TEST_KEY,
+                               time.time())
+        failure = consumer.pull(f"d{i}", resigned, local, 4 * len(forged[0]))
 
         assert failure is not None and failure.reason is FailureReason.INVALID_PARAMS
         assert f"does not hold for request p{i}" in failure.message
@@ -350,3 +355,37 @@ def test_params_naming_blocks_not_held_for_the_request_are_refused(producers, ma
     # The other request's hold is untouched.
     status = producer.call("status")
     assert status["blocks_held"] == 1 and "other" not in status["ended"]
+
+
+def test_a_silent_producer_does_not_slow_pulls_from_another(producers, make_consumer) -> None:
+    """Sixteen pulls whose (correctly signed) params name a producer that never answers
+    take at most two of the consumer's preparation threads; a pull from a live producer
+    meanwhile takes no longer than it does alone, plus a second at most."""
+    producer = producers()
+    consumer = make_consumer(side_channel_timeout_s=1.0, side_channel_connect_timeout_s=1.0)
+    assert consumer.pull("warm", producer.hold("p-warm", [[3]], 4), [[5]], 4) is None
+    alone = []
+    for i in range(3):
+        started = time.monotonic()
+        params = producer.hold(f"p-alone-{i}", [[4]], 4)
+        assert consumer.pull(f"alone-{i}", params, [[6]], 4) is None
+        alone.append(time.monotonic() - started)
+    silent = SilentListener()
+    try:
+        held = producer.hold("p-real", [[7]], 4)
+        for i in range(16):
+            fake = dataclasses.replace(held, remote_port=silent.port, remote_request_id=f"x{i}")
+            consumer.start_pull(f"stuck-{i}", sign_params(fake, TEST_KEY, time.time()),
+                                [[10 + i]], 4)
+        consumer.step()
+        time.sleep(0.3)  # the silent producer's calls are under way
+        started = time.monotonic()
+        assert consumer.pull("real", held, [[40]], 4) is None
+        took = time.monotonic() - started
+        assert took < sorted(alone)[1] + 1.0, (took, alone)
+        assert block_bytes(consumer.caches[0], [40]) == block_bytes(fill_cache(SMALL, 0), [7])
+        # Still waiting their turn, two at a time, none failed yet.
+        assert not [r for r in consumer.done.failed if r.startswith("stuck-")]
+        assert 1 <= silent.most_open <= 2
+    finally:
+        silent.close()

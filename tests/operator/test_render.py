@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import random
 from typing import Any
 
 import kubernetes_validate
 import pytest
-
+from kvferry.kvtransfer.auth import KEY_ENV, MIN_KEY_BYTES
 from kvferry.operator.render import render_children
 from kvferry.operator.spec import parse_spec
 from kvferry_testing.operator_factories import EXAMPLES, load_example, minimal, random_spec, service
@@ -49,7 +50,8 @@ def test_validation_catches_a_broken_child() -> None:
 def test_children_of_the_demo_example() -> None:
     children = by_name(render_children(parse_spec(load_example(EXAMPLES[0]))))
     assert list(children) == [
-        "ConfigMap/demo-config", "Secret/demo-redis-auth", "Deployment/demo-redis", "Service/demo-redis",
+        "ConfigMap/demo-config", "Secret/demo-kv-transfer-key", "Secret/demo-redis-auth",
+        "Deployment/demo-redis", "Service/demo-redis",
         "Deployment/demo-prefill", "Service/demo-prefill", "PodDisruptionBudget/demo-prefill",
         "Deployment/demo-decode", "Service/demo-decode", "PodDisruptionBudget/demo-decode",
         "Deployment/demo-router", "Service/demo-router",
@@ -233,8 +235,43 @@ def test_ingress_routes_to_the_router() -> None:
     assert path["backend"] == {"service": {"name": "svc-router", "port": {"name": "http"}}}
 
 
-def test_rendering_is_deterministic_except_the_generated_password() -> None:
+def test_rendering_is_deterministic_except_the_generated_secrets() -> None:
     obj = load_example(EXAMPLES[1])
     first, second = render_children(parse_spec(obj)), render_children(parse_spec(obj))
     assert [c.manifest for c in first if c.kind != "Secret"] == [c.manifest for c in second if c.kind != "Secret"]
-    assert [c.create_only for c in first].count(True) == 1
+    # The Redis password and the KV transfer key: generated, created once, never patched.
+    assert [c.name for c in first if c.create_only] == ["llama-chat-kv-transfer-key",
+                                                    "llama-chat-redis-auth"]
+
+
+def test_every_engine_pod_reads_the_services_kv_transfer_key() -> None:
+    spec = minimal(model={"source": "demo", "type": "encoder-decoder"},
+                   pools={"prefill": {}, "decode": {}, "encoder": {}})
+    children = by_name(render_children(parse_spec(service(spec))))
+    secret = children["Secret/svc-kv-transfer-key"]
+    key = base64.b64decode(secret["data"]["key"])
+    assert len(key) >= MIN_KEY_BYTES and "annotations" not in secret["metadata"]
+    for pool in ("encoder", "prefill", "decode"):
+        (container,) = pod_of(children, f"svc-{pool}")["spec"]["containers"]
+        env = {e["name"]: e for e in container["env"]}
+        assert env[KEY_ENV] == {"name": KEY_ENV, "valueFrom": {"secretKeyRef": {
+            "name": "svc-kv-transfer-key", "key": "key"}}}
+    # The router passes params through: it gets no key.
+    (router,) = pod_of(children, "svc-router")["spec"]["containers"]
+    assert KEY_ENV not in {e["name"] for e in router["env"]}
+
+
+def test_a_rotation_annotation_marks_the_key_and_rolls_the_pods() -> None:
+    def rendered(rotation: str | None) -> dict[str, dict[str, Any]]:
+        obj = service(minimal())
+        if rotation is not None:
+            obj["metadata"]["annotations"] = {"rotation.kvferry.dev/kv-transfer-key": rotation}
+        return by_name(render_children(parse_spec(obj)))
+
+    plain, rotated = rendered(None), rendered("2026-11-26")
+    assert rotated["Secret/svc-kv-transfer-key"]["metadata"]["annotations"] == {
+        "kvferry.dev/generated-for": "2026-11-26"}
+    annotations = pod_of(rotated, "svc-decode")["metadata"]["annotations"]
+    assert annotations["rotation.kvferry.dev/kv-transfer-key"] == "2026-11-26"
+    assert "rotation.kvferry.dev/kv-transfer-key" not in pod_of(plain, "svc-decode")["metadata"][
+        "annotations"]

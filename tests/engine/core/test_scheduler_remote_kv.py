@@ -5,6 +5,7 @@ KVConnectorOutput a transfer thread would report) and the runner (fixed sampled 
 Block size 4, 16 blocks (block 0 is the null block).
 """
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -25,7 +26,9 @@ from kvferry.kvtransfer import (
     KVTransferParams,
     ProducerEndpoint,
 )
+from kvferry.kvtransfer.auth import sign_params
 from kvferry.kvtransfer.lease import LeaseTable
+from kvferry_testing.keys import TEST_KEY
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16
@@ -34,7 +37,8 @@ TOKEN = 7
 
 def make_scheduler(policy: str = "recompute") -> tuple[Scheduler, KVConnectorScheduler]:
     # A lease long enough that no heartbeat is due while a test runs.
-    config = KVTransferConfig(model_id="m", lease_s=1000.0, failure_policy=policy)
+    config = KVTransferConfig(model_id="m", lease_s=1000.0, failure_policy=policy,
+                              transfer_key=TEST_KEY)
     metrics = KVTransferMetrics()
     endpoint = ProducerEndpoint("prod-engine", "127.0.0.1", 5555, "agent-a")
     connector = KVConnectorScheduler(
@@ -53,12 +57,15 @@ def pair() -> Iterator[tuple[Scheduler, KVConnectorScheduler]]:
 
 
 def remote_params(num_tokens: int, block_ids: list[int]) -> KVTransferParams:
-    return KVTransferParams.from_dict({
+    """Params as a producer of the service returns them (signed with its key)."""
+    params = KVTransferParams.from_dict({
         "do_remote_prefill": True, "remote_engine_id": "prod-engine",
         "remote_host": "127.0.0.1", "remote_port": 1, "remote_block_ids": block_ids,
         "remote_request_id": "p-1", "kvferry_num_tokens": num_tokens,
-        "kvferry_agent_name": "agent-b",
+        "kvferry_agent_name": "agent-b", "kvferry_lease_s": 30.0,
     })
+    assert params is not None
+    return sign_params(params, TEST_KEY, time.time())
 
 
 def make_request(req_id: str, num_tokens: int, params: KVTransferParams | None) -> Request:

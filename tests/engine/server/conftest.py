@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from kvferry_testing.pd_pods import Trio, start_trio
 from kvferry_testing.serve_helpers import API_KEY, ServerProcess, free_port, serve_command
 
 
@@ -51,3 +52,9 @@ def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callabl
 def live_server(server_factory: Callable[..., ServerProcess], tiny_model: Path) -> ServerProcess:
     """One server shared by the tests that leave it serving (API key set)."""
     return server_factory(tiny_model, "--served-model-name", "tiny", api_key=API_KEY)
+
+
+@pytest.fixture(scope="session")
+def trio(server_factory: Callable[..., ServerProcess], tiny_model: Path) -> Trio:
+    """A prefill and a decode pod sharing the tests' transfer key, and a colocated pod."""
+    return start_trio(server_factory, tiny_model)

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import argparse
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kvferry.engine.arg_utils import engine_config_from_args
 from kvferry.engine.server.cli import check_supported, pod_environment, read_api_key
-from kvferry.kvtransfer.args import kv_transfer_config
+from kvferry.kvtransfer.args import kv_transfer_config, read_transfer_key
+from kvferry.kvtransfer.auth import KEY_ENV
 from kvferry.operator.render import render_children
 from kvferry.operator.spec import parse_spec
+from kvferry_testing.keys import TEST_KEY, TEST_KEY_TEXT
 from kvferry_testing.operator_factories import EXAMPLES, load_example, random_spec, service
 
 from kvferry.cli import build_parser
@@ -209,3 +213,44 @@ def test_rendered_pools_take_their_role_defaults_unless_the_spec_sets_a_budget()
     roles = {parse_serve(c["args"]).role: batched_tokens(c["args"])
              for c, _ in engine_containers(manifest)}
     assert roles == {"prefill": 4096, "decode": 4096}
+
+
+# ---------------------------------------------------------------------------- transfer key
+def test_the_transfer_key_comes_from_the_file_else_the_environment(tmp_path: Path) -> None:
+    base = ["kvferry", "serve", "--model", "demo", "--role", "decode"]
+    key_file = tmp_path / "key"
+    key_file.write_text(TEST_KEY_TEXT + "\n")
+    from_file = read_transfer_key(parse_serve([*base, "--kv-transfer-key-file", str(key_file)]),
+                                  {KEY_ENV: "an-other-key-from-the-environment-0123456789"})
+    assert from_file == TEST_KEY
+    assert read_transfer_key(parse_serve(base), {KEY_ENV: TEST_KEY_TEXT}) == TEST_KEY
+    assert read_transfer_key(parse_serve(base), {}) is None
+    config = kv_transfer_config(parse_serve(base), None, None, None, None, TEST_KEY)
+    assert (config.transfer_key, config.role, config.insecure) == (TEST_KEY, "decode", False)
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("", "holds no KV transfer key (it is empty)"),
+    ("too-short\n", "a KV transfer key needs at least 32 bytes, this one has 9"),
+])
+def test_a_bad_key_file_is_a_usage_error_that_never_shows_the_key(
+    tmp_path: Path, content: str, message: str
+) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text(content)
+    done = subprocess.run([sys.executable, "-m", "kvferry.cli", "serve", "--model", "demo",
+                           "--role", "decode", "--kv-transfer-key-file", str(key_file)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("kvferry serve: error:")]
+    assert line.startswith(f"kvferry serve: error: --kv-transfer-key-file {key_file}")
+    assert message in line
+    assert not content.strip() or content.strip() not in done.stderr
+
+
+def test_a_key_and_insecure_together_are_refused() -> None:
+    args = parse_serve(["kvferry", "serve", "--model", "demo", "--role", "prefill",
+                        "--kv-transfer-insecure"])
+    with pytest.raises(ValueError, match="--kv-transfer-insecure and a KV transfer key"):
+        kv_transfer_config(args, None, None, None, None, TEST_KEY)
+    assert kv_transfer_config(args, None, None, None, None).insecure

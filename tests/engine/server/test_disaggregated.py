@@ -11,92 +11,37 @@ import asyncio
 import contextlib
 import json
 import os
-import random
-import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-
 from kvferry_testing.holding_proxy import HoldingProxy
+from kvferry_testing.keys import KEYED_ENV, resigned
+from kvferry_testing.pd_pods import (
+    BLOCK_BYTES,
+    BLOCK_SIZE,
+    MAX_TOKENS,
+    REQUEST_TIMEOUT_S,
+    Trio,
+    bytes_pulled,
+    complete,
+    failures,
+    held_params,
+    kill_pod,
+    prefill_then_decode,
+    prompt_of,
+    start_role,
+    text_of,
+    used_blocks,
+    wait_for,
+)
 from kvferry_testing.serve_helpers import ServerProcess
 
 # Children inherit this; UCX logs a line per refused connection otherwise.
 os.environ.setdefault("UCX_LOG_LEVEL", "fatal")
-
-BLOCK_SIZE = 16
-MAX_TOKENS = 8
-# The tiny checkpoint's block: 2 layers x (K, V) x 16 tokens x 2 KV heads x 16 dims x 4 bytes.
-BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
-REQUEST_TIMEOUT_S = 60.0
-
-
-@dataclass
-class Trio:
-    prefill: ServerProcess
-    decode: ServerProcess
-    colocated: ServerProcess
-
-
-@pytest.fixture(scope="module")
-def trio(server_factory: Callable[..., ServerProcess], tiny_model: Path) -> Trio:
-    common = ("--block-size", str(BLOCK_SIZE), "--served-model-name", "tiny")
-    flags = (*common, "--kv-lease-seconds", "5")
-    return Trio(
-        prefill=server_factory(tiny_model, "--role", "prefill", *flags),
-        decode=server_factory(tiny_model, "--role", "decode", *flags),
-        colocated=server_factory(tiny_model, *common),
-    )
-
-
-def complete(server: ServerProcess, prompt: list[int], max_tokens: int,
-             kv_transfer_params: dict[str, Any] | None = None) -> httpx.Response:
-    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
-                            "temperature": 0.0, "ignore_eos": True}
-    if kv_transfer_params is not None:
-        body["kv_transfer_params"] = kv_transfer_params
-    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
-
-
-def text_of(response: httpx.Response) -> str:
-    assert response.status_code == 200, response.text
-    return response.json()["choices"][0]["text"]
-
-
-def prefill_then_decode(trio: Trio, prompt: list[int]) -> tuple[str, dict[str, Any]]:
-    """Sends the prompt through both hops; returns the decode's text and the prefill's params."""
-    first = complete(trio.prefill, prompt, 1, {"do_remote_decode": True})
-    assert first.status_code == 200, first.text
-    params = first.json()["kv_transfer_params"]
-    assert params["do_remote_prefill"] is True
-    return text_of(complete(trio.decode, prompt, MAX_TOKENS, params)), params
-
-
-def used_blocks(server: ServerProcess) -> float:
-    return server.metric("vllm:kv_cache_usage_perc")
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
-
-
-def bytes_pulled(server: ServerProcess) -> float:
-    return server.metric("kvferry:kv_transfer_bytes_total")
-
-
-def prompt_of(num_tokens: int, seed: int) -> list[int]:
-    """Random token ids: prompts of different seeds share no prefix block (no hidden hits)."""
-    rng = random.Random(seed)
-    return [rng.randrange(3, 256) for _ in range(num_tokens)]
 
 
 @pytest.mark.parametrize("num_tokens", [5, 16 * 9 + 3])
@@ -130,37 +75,6 @@ def test_prefix_hits_on_the_decode_side_shorten_the_pull(trio: Trio) -> None:
 
 
 # ---------------------------------------------------------------------------- faults
-def failures(server: ServerProcess, reason: str) -> float:
-    return server.metrics()[f'kvferry:kv_transfer_failures_total{{model_name="tiny",reason="{reason}"}}']
-
-
-def start_role(server_factory: Callable[..., ServerProcess], model: Path, role: str,
-               *flags: str) -> ServerProcess:
-    return server_factory(model, "--role", role, "--block-size", str(BLOCK_SIZE),
-                          "--served-model-name", "tiny", *flags)
-
-
-def kill_pod(server: ServerProcess) -> None:
-    """Kills a server and its engine core at once, as a pod dies (the core would otherwise
-    notice its parent gone only at its next check)."""
-    core_pid = server.engine_pid()
-    os.kill(core_pid, signal.SIGKILL)
-    server.kill_group()
-    assert wait_for(lambda: not Path(f"/proc/{core_pid}").exists() or _is_zombie(core_pid), 10)
-
-
-def _is_zombie(pid: int) -> bool:
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    return True
-
-
-def held_params(prefill: ServerProcess, prompt: list[int]) -> dict[str, Any]:
-    response = complete(prefill, prompt, 1, {"do_remote_decode": True})
-    assert response.status_code == 200, response.text
-    return response.json()["kv_transfer_params"]
-
-
 def test_decode_gone_after_prefill_the_producer_frees_at_lease_end(
     server_factory: Callable[..., ServerProcess], tiny_model: Path,
 ) -> None:
@@ -203,7 +117,7 @@ def test_mismatched_layout_is_refused_at_handshake(
 ) -> None:
     # Same model, other block size: the producer's layout cannot fill the decoder's blocks.
     prefill = server_factory(tiny_model, "--role", "prefill", "--block-size", "8",
-                             "--served-model-name", "tiny")
+                             "--served-model-name", "tiny", env=KEYED_ENV)
     prompt = prompt_of(2 * BLOCK_SIZE + 3, 31)
     params = held_params(prefill, prompt)
     before = failures(trio.decode, "incompatible")
@@ -229,7 +143,7 @@ def test_producer_restarted_on_the_same_port(
     kill_pod(prefill)
     prefill = start_role(server_factory, tiny_model, "prefill", "--nixl-port", nixl_port)
     # Params of the dead incarnation: refused, recomputed, answered correctly.
-    stale = dict(stale, remote_request_id="gone")
+    stale = resigned(stale, remote_request_id="gone")
     assert text_of(complete(trio.decode, prompt, MAX_TOKENS, stale)) == expected
     # The new incarnation is found through a fresh handshake.
     text, params = prefill_then_decode(Trio(prefill, trio.decode, trio.colocated), prompt)
@@ -295,8 +209,9 @@ def aborted(server: ServerProcess) -> float:
 
 
 def through(proxy: HoldingProxy, params: dict[str, Any]) -> dict[str, Any]:
-    """The params with the producer's side channel reached through the proxy."""
-    return dict(params, remote_host="127.0.0.1", remote_port=proxy.port)
+    """The params with the producer's side channel reached through the proxy (signed again
+    with the service's key, as the test holds it)."""
+    return resigned(params, remote_host="127.0.0.1", remote_port=proxy.port)
 
 
 @contextlib.contextmanager
@@ -437,7 +352,7 @@ def test_role_both_with_kv_transfer_takes_either_kind_of_params(
     server_factory: Callable[..., ServerProcess], tiny_model: Path, trio: Trio,
 ) -> None:
     both = server_factory(tiny_model, "--block-size", str(BLOCK_SIZE), "--served-model-name",
-                          "tiny", "--kv-transfer")
+                          "tiny", "--kv-transfer", env=KEYED_ENV)
     prompt = prompt_of(3 * BLOCK_SIZE + 2, 51)
     expected = text_of(complete(trio.colocated, prompt, MAX_TOKENS))
     # As the producer of the decode pod, then as the consumer of the prefill pod.

@@ -7,6 +7,7 @@ engine's transfer layer over a zeroed cache in the test process. Every wait has 
 from __future__ import annotations
 
 import json
+import os
 import select
 import subprocess
 import sys
@@ -24,6 +25,9 @@ from kvferry.kvtransfer import (
     KVTransferMetrics,
     KVTransferParams,
 )
+from kvferry.kvtransfer.auth import KEY_ENV
+
+from kvferry_testing.keys import TEST_KEY, TEST_KEY_TEXT
 
 PRODUCER_MAIN = Path(__file__).with_name("kvt_producer.py")
 # A small cache: 1 KiB blocks, so a test moves kilobytes, not megabytes.
@@ -46,12 +50,14 @@ def block_bytes(cache: torch.Tensor, ids: list[int]) -> bytes:
 class Producer:
     """One producer process; `call` sends a command and waits for its reply."""
 
-    def __init__(self, spec: dict, log_path: Path) -> None:
+    def __init__(self, spec: dict, log_path: Path, key_text: str = TEST_KEY_TEXT) -> None:
         self.spec = spec
         self._log = open(log_path, "ab")  # noqa: SIM115 (closed in kill)
+        # The key travels as a pod's does: in the environment, not on the command line.
         self.proc = subprocess.Popen(
             [sys.executable, str(PRODUCER_MAIN), json.dumps(spec)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+            env={**os.environ, KEY_ENV: key_text},
         )
         hello = self._read_line()
         self.port: int = hello["port"]
@@ -152,13 +158,15 @@ class Consumer:
 
 
 _CONFIG_FIELDS = ("lease_s", "heartbeat_interval_s", "side_channel_timeout_s", "pull_timeout_s",
-                  "model_id", "read_threads", "read_split_min_bytes")
+                  "model_id", "read_threads", "read_split_min_bytes", "transfer_key",
+                  "side_channel_connect_timeout_s", "max_prepares_per_producer")
 
 
 def make_consumer_on(spec: dict, num_groups: int) -> Consumer:
-    """A consumer whose caches have `spec`'s layout; config fields in `spec` configure it."""
+    """A consumer whose caches have `spec`'s layout; config fields in `spec` configure it
+    (the tests' shared key unless `transfer_key` is given)."""
     fields = {k: spec[k] for k in _CONFIG_FIELDS if k in spec}
-    config = KVTransferConfig(**{"model_id": "test-model", **fields})
+    config = KVTransferConfig(**{"model_id": "test-model", "transfer_key": TEST_KEY, **fields})
     metrics = KVTransferMetrics()
     worker = KVConnectorWorker(config, metrics)
     caches = [zero_cache(spec) for _ in range(num_groups)]

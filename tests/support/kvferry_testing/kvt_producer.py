@@ -29,6 +29,7 @@ from kvferry.kvtransfer import (
     KVTransferMetrics,
     KVTransferParams,
 )
+from kvferry.kvtransfer.auth import KEY_ENV, TransferKey
 
 # The token every prompt of the transfer tests is made of.
 PROMPT_TOKEN = 0
@@ -55,6 +56,7 @@ def main() -> None:
     config = KVTransferConfig(
         engine_id=spec.get("engine_id"), model_id=spec.get("model_id", "test-model"),
         side_channel_port=spec.get("port", 0), lease_s=spec.get("lease_s", 30.0),
+        transfer_key=TransferKey.from_text(os.environ[KEY_ENV], KEY_ENV),
     )
     caches = [fill_cache(spec, g) for g in range(spec.get("num_groups", 1))]
     metrics = KVTransferMetrics()
