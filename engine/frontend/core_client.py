@@ -81,6 +81,7 @@ class CoreClient:
     async def start(cls, config: EngineConfig) -> CoreClient:
         """Binds the sockets and starts the core process (which then loads the model)."""
         ipc_dir = tempfile.mkdtemp(prefix="kvferry-core-")
+        _check_ipc_path(ipc_dir)
         input_address, output_address = f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
         context, async_context = zmq.Context(), zmq.asyncio.Context()
         client = cls(
@@ -225,3 +226,17 @@ def _ready_info(message: CoreOutput) -> EngineCoreInfo:
     if isinstance(message, CoreFailed):
         raise EngineDeadError(f"the engine core failed to load the model: {message.message}")
     raise EngineDeadError(f"the engine core sent {type(message).__name__} before it was ready")
+
+
+# A Unix socket path holds at most 107 bytes (sockaddr_un.sun_path, less its terminator).
+MAX_IPC_PATH_BYTES = 107
+
+
+def _check_ipc_path(ipc_dir: str) -> None:
+    """ValueError naming the fix when the sockets' paths under `ipc_dir` cannot be bound."""
+    longest = len(f"{ipc_dir}/output".encode())
+    if longest > MAX_IPC_PATH_BYTES:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        raise ValueError(
+            f"the engine's IPC socket path under {ipc_dir!r} is {longest} bytes, more than the "
+            f"{MAX_IPC_PATH_BYTES} a Unix socket allows: point TMPDIR at a shorter directory")

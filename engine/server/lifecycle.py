@@ -71,6 +71,7 @@ class Lifecycle:
 
     # ---------------------------------------------------------------- loading
     async def load_engine(self) -> None:
+        import zmq
         from kvferry.engine.frontend.async_llm import AsyncLLM, EngineDeadError
         from kvferry.engine.server.metrics import EngineMetrics
 
@@ -78,7 +79,7 @@ class Lifecycle:
         try:
             engine = await AsyncLLM.create(
                 self.config, max_num_waiting=state.settings.max_num_waiting)
-        except (EngineDeadError, ValueError, OSError) as exc:
+        except (EngineDeadError, ValueError, OSError, zmq.ZMQError) as exc:
             logger.error("the engine failed to load: %s", exc)
             self._fail(f"it failed to load: {exc}")
             return

@@ -17,8 +17,10 @@ uid), which a read-only filesystem stops from writing all the same.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,6 +39,8 @@ pytestmark = pytest.mark.slow
 
 SANDBOX = Path(kvferry_testing.sandbox.__file__)
 REDIS_PASSWORD = "pod-filesystem-test"
+# The service's KV transfer key, as its generated Secret would hold it.
+KV_TRANSFER_KEY = "pod-filesystem-test-kv-transfer-key-0123456789"
 WRITE_ERRORS = ("Read-only file system", "Permission denied", KERNEL_UNAVAILABLE)
 # Longer than the router's prefill threshold (256 tokens): the request takes the prefill hop.
 LONG_PROMPT = " ".join(f"word{i}" for i in range(80))  # about 530 demo tokens
@@ -106,11 +110,16 @@ def launch_pod(pod: Pod, children: dict[str, dict[str, Any]], image_bin: Path, r
     # /dev/shm stays the machine's: shared memory is opened at that fixed path.
     volumes = {m: base / m.strip("/").replace("/", "-")
                for m in pod.writable_mounts() if m != "/dev/shm"}
+    # The pod's /tmp holds the engine's IPC sockets, whose paths a Unix socket caps at 107
+    # bytes: a short directory, as /tmp is in the pod, not one deep in pytest's tree.
+    volumes["/tmp"] = Path(tempfile.mkdtemp(prefix=f"kvf-{pod.name}-"))
+    volumes["/tmp"].rmdir()
     for directory in volumes.values():
         directory.mkdir(parents=True)
     home = base / "home"  # the image user's home: on the read-only root
-    home.mkdir()
-    supplied = {"REDIS_PASSWORD": REDIS_PASSWORD, "POD_IP": "127.0.0.1"}
+    home.mkdir(parents=True)
+    supplied = {"REDIS_PASSWORD": REDIS_PASSWORD, "POD_IP": "127.0.0.1",
+                "KVFERRY_KV_TRANSFER_KEY": KV_TRANSFER_KEY}
     env = pod.environment(children, supplied)
     if "KVFERRY_NIXL_PORT" in env:
         env["KVFERRY_NIXL_PORT"] = str(free_port())
@@ -145,23 +154,27 @@ def test_demo_pods_write_only_to_their_volumes(
     children = rendered(DEMO_SERVICE)
     running = {name: launch_pod(pod, children, image_bin, redis_port, tmp_path / name, launch)
                for name, pod in pods(children).items()}
-    engines = [running["demo-prefill"], running["demo-decode"]]
-    for pod in engines:
-        _check_started(pod, "/health")
-    _check_started(running["demo-router"], "/health")  # 200 once it sees a decode pod
+    try:
+        engines = [running["demo-prefill"], running["demo-decode"]]
+        for pod in engines:
+            _check_started(pod, "/health")
+        _check_started(running["demo-router"], "/health")  # 200 once it sees a decode pod
 
-    answer = httpx.post(f"{running['demo-router'].process.url}/v1/completions", timeout=120,
-                        json={"model": "demo", "prompt": LONG_PROMPT, "max_tokens": 4})
-    assert answer.status_code == 200, answer.text
-    assert _metric(running["demo-decode"].process.url, "kvferry:kv_transfer_bytes_total") > 0
+        answer = httpx.post(f"{running['demo-router'].process.url}/v1/completions", timeout=120,
+                            json={"model": "demo", "prompt": LONG_PROMPT, "max_tokens": 4})
+        assert answer.status_code == 200, answer.text
+        assert _metric(running["demo-decode"].process.url, "kvferry:kv_transfer_bytes_total") > 0
 
-    for name in ["demo-router", "demo-prefill", "demo-decode"]:
-        assert running[name].process.stop() == 0, running[name].process.log()
-    for name, pod in running.items():
-        log = pod.process.log()
-        assert [e for e in WRITE_ERRORS if e in log] == [], f"{name}:\n{log}"
-    for pod in engines:
-        cache = pod.volumes["/cache"]
-        assert KERNEL_BUILT in pod.process.log()
-        assert len(list((cache / "kvferry" / "kernels").glob("paged_decode-*.so"))) == 1
-        assert (cache / "kvferry" / "demo-v1" / "config.json").is_file()
+        for name in ["demo-router", "demo-prefill", "demo-decode"]:
+            assert running[name].process.stop() == 0, running[name].process.log()
+        for name, pod in running.items():
+            log = pod.process.log()
+            assert [e for e in WRITE_ERRORS if e in log] == [], f"{name}:\n{log}"
+        for pod in engines:
+            cache = pod.volumes["/cache"]
+            assert KERNEL_BUILT in pod.process.log()
+            assert len(list((cache / "kvferry" / "kernels").glob("paged_decode-*.so"))) == 1
+            assert (cache / "kvferry" / "demo-v1" / "config.json").is_file()
+    finally:
+        for pod in running.values():  # the short /tmp volumes live outside pytest's tree
+            shutil.rmtree(pod.volumes["/tmp"], ignore_errors=True)

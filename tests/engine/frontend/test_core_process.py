@@ -305,3 +305,14 @@ def test_transfer_only_work_steps_without_spinning_or_repeating_stats(loop: Loop
     # Their stats did not change, so none of them was sent.
     assert not loop.recv_socket.poll(100)
     assert messages[-1].outputs.outputs[-1].finish_reason == FinishReason.LENGTH
+
+
+def test_a_tmpdir_too_long_for_a_unix_socket_is_named_before_binding(tmp_path) -> None:
+    from kvferry.engine.frontend.core_client import MAX_IPC_PATH_BYTES, _check_ipc_path
+
+    deep = tmp_path / ("d" * (MAX_IPC_PATH_BYTES - len(str(tmp_path))))
+    deep.mkdir()
+    with pytest.raises(ValueError, match="more than the 107 a Unix socket allows: point TMPDIR"):
+        _check_ipc_path(str(deep))
+    assert not deep.exists()  # the unusable directory is removed
+    _check_ipc_path(str(tmp_path))  # a short one passes
