@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvferry.protocol.errors import error_body, http_error_message
+from kvferry.protocol.request_checks import InvalidRequest
 
 if TYPE_CHECKING:
     from kvferry.engine.frontend.tokenizer import Tokenizer
@@ -124,6 +125,10 @@ class Gate:
         except HopError as exc:
             router.metrics.requests.labels(endpoint, str(exc.status)).inc()
             await _send_error(send, exc.status, str(exc), exc.code, request_id)
+            return
+        except InvalidRequest as exc:  # refused as the engine pods refuse it
+            router.metrics.requests.labels(endpoint, "400").inc()
+            await _send_error(send, 400, str(exc), None, request_id, param=exc.param)
             return
         except ValueError as exc:  # the body is not a JSON object
             router.metrics.requests.labels(endpoint, "400").inc()
@@ -225,8 +230,9 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 async def _send_error(send: Send, status: int, message: str, code: str | None, request_id: str,
-                      extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = json.dumps(error_body(status, message, None, code)).encode()
+                      extra_headers: list[tuple[bytes, bytes]] | None = None,
+                      param: str | None = None) -> None:
+    body = json.dumps(error_body(status, message, param, code)).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
         (b"x-request-id", request_id.encode("latin-1")), *(extra_headers or ())]})

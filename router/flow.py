@@ -38,6 +38,7 @@ from kvferry.router.policies import Choice, Policy, PrefixAware, make_policy
 from kvferry.router.prefix_index import PrefixIndex, prompt_block_hashes
 
 from kvferry.protocol.errors import error_body
+from kvferry.protocol.request_checks import check_body
 
 if TYPE_CHECKING:
     from kvferry.engine.frontend.tokenizer import Tokenizer
@@ -120,7 +121,10 @@ class Router:
                        raw: bytes | None = None) -> Answer:
         """Runs one /v1/completions or /v1/chat/completions request through the pools.
         `raw` is the body as the client sent it: the decode pod gets it unchanged unless the
-        router had to drop or add transfer params (saving a serialization per request)."""
+        router had to drop or add transfer params (saving a serialization per request).
+        InvalidRequest: the body has text or a field type the engine pods refuse (the router
+        refuses it the same way, before tokenizing it or spending a prefill hop on it)."""
+        check_body(endpoint, body)
         if KV_TRANSFER_FIELD in body:
             del body[KV_TRANSFER_FIELD]
             raw = None

@@ -1,0 +1,173 @@
+"""What one client can do to a real engine pod and the routers in front of it.
+
+Two routers front the pod: one relays bodies as they come (one `both` pool, least-loaded),
+the other reads them (prefix-aware, tokenizing text prompts itself with `--tokenizer demo`).
+Bodies of the wrong JSON type, or with text that is not Unicode, get the same OpenAI 400
+naming the same field from the pod and from both routers.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from kvferry_testing.procs import Proc, free_port, router_process, wait_http
+from kvferry_testing.serve_helpers import KV_CACHE_BYTES
+
+SERVICE = "checks"
+# Long enough that generating a whole sequence takes the demo model many seconds.
+MAX_MODEL_LEN = 4096
+FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
+
+
+def engine_pod(tmp: Path, redis_url: str, name: str) -> Proc:
+    port = free_port()
+    proc = Proc([sys.executable, "-m", "kvferry.cli", "serve", "--model", "demo",
+                 "--port", str(port), "--redis", redis_url, "--service", SERVICE, *FLAGS],
+                tmp / f"{name}.log", env={"KVFERRY_POD_NAME": name})
+    proc.port = port  # type: ignore[attr-defined]
+    wait_http(f"http://127.0.0.1:{port}/health", proc, 240)
+    return proc
+
+
+def wait_decode_pool(router: Proc) -> None:
+    wait_http(f"http://127.0.0.1:{router.port}/health", router, 20)  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[dict[str, Proc]]:
+    tmp = tmp_path_factory.mktemp("checks")
+    procs: dict[str, Proc] = {}
+    try:
+        procs["pod"] = engine_pod(tmp, redis_url, "pod-0")
+        # Each router writes router.log in its own folder.
+        procs["relaying"] = router_process(tmp_path_factory.mktemp("relaying"), redis_url,
+                                           SERVICE)
+        procs["reading"] = router_process(tmp_path_factory.mktemp("reading"), redis_url,
+                                          SERVICE, "--tokenizer", "demo",
+                                          env={"KVFERRY_ROUTING_DECODE": "prefix-aware"})
+        for name in ("relaying", "reading"):
+            wait_decode_pool(procs[name])
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop(signal.SIGKILL if proc.proc.poll() is None else signal.SIGTERM)
+
+
+def url(proc: Proc) -> str:
+    return f"http://127.0.0.1:{proc.port}"  # type: ignore[attr-defined]
+
+
+def post(proc: Proc, path: str, content: bytes) -> httpx.Response:
+    return httpx.post(url(proc) + path, content=content, timeout=60,
+                      headers={"Content-Type": "application/json"})
+
+
+def answer_of(response: httpx.Response) -> tuple[int, str | None]:
+    """(status, param) of an error answer; (200, None) of a success."""
+    if response.status_code == 200:
+        return 200, None
+    assert response.headers["content-type"].startswith("application/json"), response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    return response.status_code, error["param"]
+
+
+PROMPT = {"model": "demo", "prompt": "w5 w6", "max_tokens": 2}
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2}
+
+# (endpoint, body, the param the 400 names)
+WRONG_TYPES: list[tuple[str, dict[str, Any], str]] = [
+    ("/v1/completions", {**PROMPT, "max_tokens": "5"}, "max_tokens"),
+    ("/v1/completions", {**PROMPT, "max_tokens": 5.0}, "max_tokens"),
+    ("/v1/completions", {**PROMPT, "prompt": [True]}, "prompt"),
+    ("/v1/completions", {**PROMPT, "prompt": [[5, True]]}, "prompt"),
+    ("/v1/completions", {**PROMPT, "prompt": [5, 6.0]}, "prompt"),
+    ("/v1/completions", {**PROMPT, "stream": "yes"}, "stream"),
+    ("/v1/completions", {**PROMPT, "stream": 1}, "stream"),
+    ("/v1/completions", {**PROMPT, "temperature": "0.5"}, "temperature"),
+    ("/v1/completions", {**PROMPT, "top_p": True}, "top_p"),
+    ("/v1/completions", {**PROMPT, "n": 1.5}, "n"),
+    ("/v1/completions", {**PROMPT, "n": True}, "n"),
+    ("/v1/completions", {**PROMPT, "logprobs": "3"}, "logprobs"),
+    ("/v1/completions", {**PROMPT, "echo": 1}, "echo"),
+    ("/v1/completions", {**PROMPT, "seed": "7"}, "seed"),
+    ("/v1/completions", {**PROMPT, "stop_token_ids": [5, True]}, "stop_token_ids[1]"),
+    ("/v1/completions", {**PROMPT, "stop": 5}, "stop"),
+    ("/v1/completions", {**PROMPT, "ignore_eos": "true"}, "ignore_eos"),
+    ("/v1/completions", {**PROMPT, "add_special_tokens": 0}, "add_special_tokens"),
+    ("/v1/completions", {**PROMPT, "model": 5}, "model"),
+    # Two wrong fields: both layers name the first the engine's model declares.
+    ("/v1/completions", {**PROMPT, "max_tokens": "5", "n": "2"}, "n"),
+    ("/v1/completions", {"max_tokens": 2}, "prompt"),
+    ("/v1/chat/completions", {**CHAT, "stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": 1}, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": "2"}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": "5"}, "max_completion_tokens"),
+    ("/v1/chat/completions", {**CHAT, "temperature": "0.5"}, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "messages": "w5"}, "messages"),
+]
+
+# Right types at the edges: JSON integers where numbers belong, nulls where the API has them.
+RIGHT_TYPES: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/completions", {**PROMPT, "temperature": 1, "top_p": 1, "presence_penalty": 0}),
+    ("/v1/completions", {**PROMPT, "prompt": [5, 6], "seed": None, "stop": None}),
+    ("/v1/completions", {**PROMPT, "prompt": [[5], [6]], "stream": False}),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 1}),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "param"), WRONG_TYPES,
+                         ids=[f"{'chat' if 'chat' in e else 'completions'}-{json.dumps(b)[-40:]}"
+                              for e, b, _ in WRONG_TYPES])
+def test_wrong_types_are_the_same_400_at_the_pod_and_both_routers(
+        service: dict[str, Proc], endpoint: str, body: dict[str, Any], param: str) -> None:
+    raw = json.dumps(body).encode()
+    answers = {name: answer_of(post(service[name], endpoint, raw))
+               for name in ("pod", "relaying", "reading")}
+    assert answers == {"pod": (400, param), "relaying": (400, param), "reading": (400, param)}
+
+
+@pytest.mark.parametrize(("endpoint", "body"), RIGHT_TYPES,
+                         ids=[json.dumps(b)[-40:] for _, b in RIGHT_TYPES])
+def test_right_types_are_served_by_the_pod_and_both_routers(
+        service: dict[str, Proc], endpoint: str, body: dict[str, Any]) -> None:
+    raw = json.dumps(body).encode()
+    answers = {name: answer_of(post(service[name], endpoint, raw))
+               for name in ("pod", "relaying", "reading")}
+    assert answers == {"pod": (200, None), "relaying": (200, None), "reading": (200, None)}
+
+
+# JSON that spells a lone UTF-16 surrogate: valid JSON, not valid Unicode.
+LONE_SURROGATES = [
+    ("/v1/completions", rb'{"model": "demo", "prompt": "w5 \ud800", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", rb'{"model": "demo", "prompt": ["w5 \udfff"], "max_tokens": 2}',
+     "prompt"),
+    ("/v1/completions", rb'{"model": "demo", "prompt": "w5", "stop": ["\ud800"]}', "stop"),
+    ("/v1/chat/completions",
+     rb'{"model": "demo", "messages": [{"role": "user", "content": "\ud800"}]}', "messages"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "raw", "param"), LONE_SURROGATES,
+                         ids=[r.decode()[-30:] for _, r, _ in LONE_SURROGATES])
+def test_a_lone_surrogate_is_the_same_400_at_the_pod_and_both_routers(
+        service: dict[str, Proc], endpoint: str, raw: bytes, param: str) -> None:
+    answers = {name: answer_of(post(service[name], endpoint, raw))
+               for name in ("pod", "relaying", "reading")}
+    assert answers == {"pod": (400, param), "relaying": (400, param), "reading": (400, param)}
+    message = post(service["reading"], endpoint, raw).json()["error"]["message"]
+    assert "lone UTF-16 surrogate" in message
+    # The router is still serving.
+    ok = post(service["reading"], "/v1/completions", json.dumps(PROMPT).encode())
+    assert ok.status_code == 200, ok.text
+
