@@ -3,7 +3,8 @@
 Two routers front the pod: one relays bodies as they come (one `both` pool, least-loaded),
 the other reads them (prefix-aware, tokenizing text prompts itself with `--tokenizer demo`).
 Bodies of the wrong JSON type, or with text that is not Unicode, get the same OpenAI 400
-naming the same field from the pod and from both routers.
+naming the same field from the pod and from both routers; a client that hangs up on a
+non-streamed request stops its generation on the pod.
 """
 
 from __future__ import annotations
@@ -171,3 +172,46 @@ def test_a_lone_surrogate_is_the_same_400_at_the_pod_and_both_routers(
     ok = post(service["reading"], "/v1/completions", json.dumps(PROMPT).encode())
     assert ok.status_code == 200, ok.text
 
+
+def running(pod: Proc) -> float:
+    """The pod's vllm:num_requests_running."""
+    for line in httpx.get(url(pod) + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:num_requests_running{"):
+            return float(line.rpartition(" ")[2])
+    raise AssertionError("no vllm:num_requests_running on /metrics")
+
+
+def wait_until(condition: Any, timeout_s: float) -> float:
+    """Seconds until `condition()` held; AssertionError past `timeout_s`."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout_s, f"not within {timeout_s} s"
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+# Long enough that generating it all takes the pod many seconds.
+LONG_BODY = {"model": "demo", "prompt": "w5 w6", "max_tokens": MAX_MODEL_LEN - 16,
+             "ignore_eos": True}
+
+
+@pytest.mark.parametrize("via", ["pod", "relaying", "reading"])
+def test_a_client_leaving_a_non_streamed_request_stops_it_on_the_pod(
+        service: dict[str, Proc], via: str) -> None:
+    pod = service["pod"]
+    wait_until(lambda: running(pod) == 0, 30)
+    hung_up = threading.Event()
+
+    def leave_early() -> None:
+        # The client gives up after 1.5 s: httpx closes the connection on the timeout.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url(service[via]) + "/v1/completions", json=LONG_BODY, timeout=1.5)
+        hung_up.set()
+
+    client = threading.Thread(target=leave_early)
+    client.start()
+    wait_until(lambda: running(pod) == 1, 5)
+    assert hung_up.wait(5)
+    stopped_in = wait_until(lambda: running(pod) == 0, 10)
+    client.join()
+    assert stopped_in < 2.0
