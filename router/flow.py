@@ -13,9 +13,11 @@ the client gets that answer, as the decode pod would give it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +50,9 @@ logger = logging.getLogger("kvferry.router")
 # A client may not steer KV transfer: the router sets this field itself, or drops it.
 KV_TRANSFER_FIELD = "kv_transfer_params"
 TOKENIZE_TIMEOUT_S = 10.0
+# Threads that run the router's tokenizer. Never the event loop: a long text takes seconds to
+# tokenize (the tokenizer releases the GIL meanwhile), and every other request would wait.
+TOKENIZE_THREADS = 2
 
 
 @dataclass
@@ -89,6 +94,8 @@ class Router:
         # The engines' tokenizer, when the router was given it: text prompts are tokenized
         # here, without a /tokenize round trip to a pod.
         self.tokenizer = tokenizer
+        self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS,
+                                                 thread_name_prefix="kvferry-tokenize")
         self.pods = PodDirectory(settings.redis_url, settings.service, settings.registry_poll_s)
         self.index = PrefixIndex()
         self.kv_events = KVEventReader(settings.redis_url, settings.service, self.index)
@@ -115,6 +122,7 @@ class Router:
         await self.pods.stop()
         await self.client.close()
         await self.pod_client.close()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ the whole request
     async def generate(self, endpoint: str, body: dict[str, Any], request_id: str,
@@ -207,14 +215,19 @@ class Router:
     async def _tokenize(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids: from the router's own copy of the engines' tokenizer when
         it has one and the prompt is one text, else from a pod's /tokenize (the engine's own
-        tokenizer and chat template); None when the prompt is neither (the engine judges)."""
+        tokenizer and chat template); None when the prompt is neither, or is a text that
+        cannot fit the pods' max_model_len (the engine judges: it refuses such a text from
+        its length alone, at once, where tokenizing it would take seconds)."""
+        pods = self.pods.pool("decode") or self.pods.pool("prefill")
+        query = _tokenize_query(endpoint, body)
+        text = query.get("prompt") if query is not None else None
+        if isinstance(text, str) and pods and pods[0].record.cannot_fit(text):
+            return None
         if self.tokenizer is not None:
-            token_ids = _local_token_ids(self.tokenizer, endpoint, body)
+            token_ids = await self._local_token_ids(endpoint, body)
             if token_ids is not None:
                 self.metrics.tokenized.labels("router").inc()
                 return token_ids
-        query = _tokenize_query(endpoint, body)
-        pods = self.pods.pool("decode") or self.pods.pool("prefill")
         if query is None or not pods:
             return None
         pod = min(pods, key=lambda p: p.num_routed)
@@ -229,6 +242,13 @@ class Router:
             logger.warning("tokenize on %s failed: %s", pod.name, exc)
             return None
         return tokens if isinstance(tokens, list) else None
+
+    async def _local_token_ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+        """`_local_token_ids` on a tokenizer thread."""
+        assert self.tokenizer is not None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, _local_token_ids,
+                                          self.tokenizer, endpoint, body)
 
     # ------------------------------------------------------------------ prefill
     async def _maybe_prefill(self, endpoint: str, body: dict[str, Any], prompt: Prompt,

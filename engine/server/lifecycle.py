@@ -104,7 +104,10 @@ class Lifecycle:
             return
         from kvferry.engine.server.registry import PodRegistrar
 
-        self.registrar = PodRegistrar(registration, engine.served_model_name, block_size)
+        self.registrar = PodRegistrar(
+            registration, engine.served_model_name, block_size,
+            max_model_len=engine.input_processor.limits.max_model_len,
+            max_token_chars=engine.tokenizer.max_token_chars or 0)
         engine.add_stats_listener(self.registrar.record_stats)
         self.registrar.start()
 

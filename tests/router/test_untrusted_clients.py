@@ -215,3 +215,24 @@ def test_a_client_leaving_a_non_streamed_request_stops_it_on_the_pod(
     stopped_in = wait_until(lambda: running(pod) == 0, 10)
     client.join()
     assert stopped_in < 2.0
+
+
+def test_a_huge_text_prompt_does_not_hold_the_router(service: dict[str, Proc]) -> None:
+    router = service["reading"]  # it tokenizes text prompts itself (--tokenizer demo)
+    prompt = "w5 " * 2_600_000  # 7.8 MB of text: seconds of tokenizing
+    body = json.dumps({"model": "demo", "prompt": prompt, "max_tokens": 2}).encode()
+    answers: list[httpx.Response] = []
+    sender = threading.Thread(
+        target=lambda: answers.append(post(router, "/v1/completions", body)))
+    health_s: list[float] = []
+    sender.start()
+    while sender.is_alive():
+        started = time.monotonic()
+        assert httpx.get(url(router) + "/health", timeout=30).status_code == 200
+        health_s.append(time.monotonic() - started)
+        time.sleep(0.02)
+    sender.join()
+    assert max(health_s) < 1.0, health_s
+    # The pod's own refusal, from the length alone: the prompt cannot fit max_model_len.
+    assert answer_of(answers[0]) == (400, "prompt")
+    assert "maximum model length" in answers[0].json()["error"]["message"]
