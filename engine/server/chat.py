@@ -39,6 +39,7 @@ from kvferry.engine.server.serving import (
     check_model,
     check_queue_room,
     check_request_fits,
+    check_stop_limits,
     check_text_fits,
     engine_error,
     process_prompt,
@@ -101,6 +102,7 @@ def prepare(state: ServerState, body: ChatCompletionRequest, request: Request) -
     assert engine is not None  # the middleware answers 503 until the engine is loaded
     record = RequestRecord(request.state.request_id, "chat")
     check_model(body.model, state.served_model_name)
+    check_stop_limits(body.stop, state.settings.max_stop_strings, state.settings.max_stop_bytes)
     params = body.to_sampling_params()
     text, ids = chat_prompt(state, engine, body.conversation(),
                             body.add_generation_prompt, body.chat_template_kwargs, "messages")

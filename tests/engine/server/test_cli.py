@@ -209,3 +209,13 @@ def test_rendered_pools_take_their_role_defaults_unless_the_spec_sets_a_budget()
     roles = {parse_serve(c["args"]).role: batched_tokens(c["args"])
              for c, _ in engine_containers(manifest)}
     assert roles == {"prefill": 4096, "decode": 4096}
+
+
+def test_stop_string_limits_default_to_64_strings_and_16_kib() -> None:
+    base = ["kvferry", "serve", "--model", "demo"]
+    args = parse_serve(base)
+    assert (args.max_stop_strings, args.max_stop_bytes) == (64, 16384)
+    args = parse_serve([*base, "--max-stop-strings", "4", "--max-stop-bytes", "100"])
+    assert (args.max_stop_strings, args.max_stop_bytes) == (4, 100)
+    assert check_supported(parse_serve([*base, "--max-stop-strings", "0"])) == (
+        "--max-stop-strings must be >= 1, got 0")
