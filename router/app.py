@@ -27,6 +27,7 @@ from kvferry.router.hops import TRANSPORT_ERRORS, HopError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvferry.http_protocol import uvicorn_options
 from kvferry.protocol.errors import error_body, http_error_message
 from kvferry.protocol.request_checks import InvalidRequest
 
@@ -414,7 +415,8 @@ async def _serve(settings: RouterSettings, tokenizer: Tokenizer | None) -> int:
                             timeout_graceful_shutdown=settings.drain_timeout_s,  # type: ignore[arg-type]
                             # Nothing here reads the client's address, and clients need
                             # no `server` header: both would cost work on every request.
-                            proxy_headers=False, server_header=False)
+                            proxy_headers=False, server_header=False,
+                            **uvicorn_options(settings.http_limits))
     server = CleanExitServer(config)
     logger.info("routing service %s on http://%s:%d (policies: %s)", settings.service,
                 settings.host, settings.port,

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 
+from kvferry.http_limits import add_http_limit_arguments, http_limits_from_args
 from kvferry.router.config import (
     DEFAULT_DRAIN_TIMEOUT_S,
     HopTimeouts,
@@ -55,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "$KVFERRY_DRAIN_SECONDS, the engine pods' drain, or 30)")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_http_limit_arguments(parser)
 
 
 def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> RouterSettings:
@@ -76,6 +78,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Rou
         timeouts=HopTimeouts(args.connect_timeout, args.prefill_timeout, args.decode_timeout),
         uvicorn_log_level=args.uvicorn_log_level, drain_timeout_s=args.drain_timeout,
         tokenizer=args.tokenizer or environ.get("KVFERRY_ROUTER_TOKENIZER") or None,
+        http_limits=http_limits_from_args(args),
     )
 
 

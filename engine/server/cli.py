@@ -21,6 +21,7 @@ from kvferry.engine.server.state import (
     DEFAULT_MAX_STOP_BYTES,
     DEFAULT_MAX_STOP_STRINGS,
 )
+from kvferry.http_limits import add_http_limit_arguments, http_limits_from_args
 from kvferry.kvtransfer.args import add_kv_transfer_arguments, kv_transfer_config
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="put prompt text in the request log lines")
     server.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_http_limit_arguments(parser)
     parallel = parser.add_argument_group("parallelism and inputs")
     parallel.add_argument("--tensor-parallel-size", type=int, default=1)
     parallel.add_argument("--pipeline-parallel-size", type=int, default=1)
@@ -206,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
             max_stop_bytes=args.max_stop_bytes, drain_timeout_s=args.drain_timeout, log_prompts=args.log_prompts,
             uvicorn_log_level=args.uvicorn_log_level,
             registration=_registration(args, env),
+            http_limits=http_limits_from_args(args),
         )
     except (OSError, ValueError) as exc:
         print(f"kvferry serve: error: {exc}", file=sys.stderr)

@@ -24,6 +24,7 @@ import uvicorn
 from kvferry.engine.config import EngineConfig
 from kvferry.engine.server.chat_template import compile_template, load_chat_template
 from kvferry.engine.server.state import Phase, ServerSettings, ServerState
+from kvferry.http_protocol import uvicorn_options
 from starlette.types import ASGIApp
 
 if TYPE_CHECKING:
@@ -163,6 +164,7 @@ class Lifecycle:
             app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
             access_log=False, lifespan="off",
             timeout_graceful_shutdown=int(CONNECTION_CLOSE_TIMEOUT_S),
+            **uvicorn_options(settings.http_limits),
         )
         self.server = _SignalAwareServer(config, self)
         server_task = asyncio.create_task(self.server.serve())

@@ -7,6 +7,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvferry.http_limits import HttpLimits
+
 # The largest request body read by default (the router's default too).
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # The most `stop` strings a request may give, and their most UTF-8 bytes in all. Every new
@@ -45,6 +47,8 @@ class ServerSettings:
     uvicorn_log_level: str = "warning"
     # `--redis`: announce this pod in the service's pod registry; None: do not.
     registration: RegistrationSettings | None = None
+    # Header, body and idle timeouts, and the most open client connections.
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
 
 
 class Phase(enum.Enum):

@@ -4,13 +4,15 @@ Two routers front the pod: one relays bodies as they come (one `both` pool, leas
 the other reads them (prefix-aware, tokenizing text prompts itself with `--tokenizer demo`).
 Bodies of the wrong JSON type, or with text that is not Unicode, get the same OpenAI 400
 naming the same field from the pod and from both routers; a client that hangs up on a
-non-streamed request stops its generation on the pod.
+non-streamed request stops its generation on the pod; connections that send nothing, or
+send a request slowly, are closed within the servers' timeouts.
 """
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
 import sys
 import threading
 import time
@@ -26,7 +28,14 @@ from kvferry_testing.serve_helpers import KV_CACHE_BYTES
 SERVICE = "checks"
 # Long enough that generating a whole sequence takes the demo model many seconds.
 MAX_MODEL_LEN = 4096
-FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
+# Short connection timeouts (seconds), so that tests can wait them out.
+HEADER_TIMEOUT_S, BODY_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S = 1.0, 1.5, 1.0
+LIMIT_FLAGS = ["--header-timeout", str(HEADER_TIMEOUT_S), "--body-timeout", str(BODY_TIMEOUT_S),
+               "--keep-alive-timeout", str(KEEP_ALIVE_TIMEOUT_S)]
+# A router that takes this many client connections at once.
+MAX_CONNECTIONS = 8
+FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+         *LIMIT_FLAGS]
 
 
 def engine_pod(tmp: Path, redis_url: str, name: str) -> Proc:
@@ -55,7 +64,10 @@ def service(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterato
         procs["reading"] = router_process(tmp_path_factory.mktemp("reading"), redis_url,
                                           SERVICE, "--tokenizer", "demo",
                                           env={"KVFERRY_ROUTING_DECODE": "prefix-aware"})
-        for name in ("relaying", "reading"):
+        procs["limited"] = router_process(tmp_path_factory.mktemp("limited"), redis_url,
+                                          SERVICE, *LIMIT_FLAGS,
+                                          "--max-connections", str(MAX_CONNECTIONS))
+        for name in ("relaying", "reading", "limited"):
             wait_decode_pool(procs[name])
         yield procs
     finally:
@@ -236,3 +248,71 @@ def test_a_huge_text_prompt_does_not_hold_the_router(service: dict[str, Proc]) -
     # The pod's own refusal, from the length alone: the prompt cannot fit max_model_len.
     assert answer_of(answers[0]) == (400, "prompt")
     assert "maximum model length" in answers[0].json()["error"]["message"]
+
+
+def until_closed(proc: Proc, sent: bytes, wait_s: float = 10.0) -> tuple[bytes, float]:
+    """Sends `sent` on a new connection, then reads until the server closes it: (what it
+    answered, seconds from the send to the close)."""
+    with socket.create_connection(("127.0.0.1", proc.port), timeout=wait_s) as conn:  # type: ignore[attr-defined]
+        conn.sendall(sent)
+        started = time.monotonic()
+        data = b""
+        while chunk := conn.recv(65536):
+            data += chunk
+        return data, time.monotonic() - started
+
+
+def error_of(answer: bytes) -> tuple[int, dict[str, Any]]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), json.loads(body)["error"]
+
+
+SLOW_BODY = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+             b"Content-Length: 100\r\n\r\n" + b'{"prompt": "w5"')
+
+
+@pytest.mark.parametrize("target", ["pod", "limited"])
+def test_a_body_shorter_than_its_length_is_a_408_within_the_body_timeout(
+        service: dict[str, Proc], target: str) -> None:
+    answer, closed_after = until_closed(service[target], SLOW_BODY)
+    status, error = error_of(answer)
+    assert (status, error["code"], error["type"]) == (408, "request_timeout",
+                                                      "invalid_request_error")
+    assert "--body-timeout" in error["message"]
+    assert BODY_TIMEOUT_S - 0.1 < closed_after < BODY_TIMEOUT_S + 1.0
+
+
+@pytest.mark.parametrize("target", ["pod", "limited"])
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"],
+                         ids=["silent", "half-headers"])
+def test_a_request_without_its_headers_is_closed_within_the_header_timeout(
+        service: dict[str, Proc], target: str, sent: bytes) -> None:
+    answer, closed_after = until_closed(service[target], sent)
+    assert answer == b""
+    assert HEADER_TIMEOUT_S - 0.1 < closed_after < HEADER_TIMEOUT_S + 1.0
+
+
+@pytest.mark.parametrize("target", ["pod", "limited"])
+def test_an_idle_kept_alive_connection_is_closed_within_the_keep_alive_timeout(
+        service: dict[str, Proc], target: str) -> None:
+    answer, closed_after = until_closed(service[target], b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    assert closed_after < KEEP_ALIVE_TIMEOUT_S + 1.0
+
+
+def test_connections_past_the_limit_are_a_503(service: dict[str, Proc]) -> None:
+    router = service["limited"]
+    address = ("127.0.0.1", router.port)  # type: ignore[attr-defined]
+    held = [socket.create_connection(address, timeout=10) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.2)  # all of them accepted
+        answer, closed_after = until_closed(router, b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, error = error_of(answer)
+        assert (status, error["code"]) == (503, "service_unavailable")
+        assert f"limit of {MAX_CONNECTIONS} open connections" in error["message"]
+        assert closed_after < 1.5  # answered at once, closed after a short linger
+    finally:
+        for conn in held:
+            conn.close()
+    time.sleep(0.2)
+    assert httpx.get(url(router) + "/ping", timeout=10).status_code == 200
