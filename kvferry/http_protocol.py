@@ -13,7 +13,6 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from kvferry.http_limits import HttpLimits
 from kvferry.protocol.errors import error_body
 
-
 # How long a connection refused for the connection limit stays open for its answer to be read.
 REFUSED_LINGER_S = 1.0
 
@@ -35,9 +34,9 @@ def limited_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
 
 def _error_response(status: int, reason: bytes, message: str, code: str) -> bytes:
     body = json.dumps(error_body(status, message, None, code)).encode()
-    return b"".join([b"HTTP/1.1 %d " % status, reason, b"\r\ncontent-type: application/json\r\n"
-                     b"content-length: ", str(len(body)).encode(),
-                     b"\r\nconnection: close\r\n\r\n", body])
+    head = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % (status, reason, len(body)))
+    return head + body
 
 
 class LimitedHttpProtocol(HttpToolsProtocol):

@@ -12,7 +12,6 @@ import logging
 import os
 import sys
 
-from kvferry.http_limits import add_http_limit_arguments, http_limits_from_args
 from kvferry.router.config import (
     DEFAULT_DRAIN_TIMEOUT_S,
     HopTimeouts,
@@ -20,6 +19,8 @@ from kvferry.router.config import (
     policies_from_env,
     read_api_keys,
 )
+
+from kvferry.http_limits import add_http_limit_arguments, http_limits_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

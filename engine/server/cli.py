@@ -21,8 +21,9 @@ from kvferry.engine.server.state import (
     DEFAULT_MAX_STOP_BYTES,
     DEFAULT_MAX_STOP_STRINGS,
 )
-from kvferry.http_limits import add_http_limit_arguments, http_limits_from_args
 from kvferry.kvtransfer.args import add_kv_transfer_arguments, kv_transfer_config
+
+from kvferry.http_limits import add_http_limit_arguments, http_limits_from_args
 
 if TYPE_CHECKING:
     from kvferry.engine.server.registry import RegistrationSettings

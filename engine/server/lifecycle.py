@@ -24,8 +24,9 @@ import uvicorn
 from kvferry.engine.config import EngineConfig
 from kvferry.engine.server.chat_template import compile_template, load_chat_template
 from kvferry.engine.server.state import Phase, ServerSettings, ServerState
-from kvferry.http_protocol import uvicorn_options
 from starlette.types import ASGIApp
+
+from kvferry.http_protocol import uvicorn_options
 
 if TYPE_CHECKING:
     from kvferry.engine.frontend.async_llm import AsyncLLM

@@ -13,6 +13,7 @@ not `"5"`); numbers are integers or floats (not booleans, not strings); booleans
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -108,7 +109,7 @@ def _number(value: Any) -> str | None:
         return None
     if type(value) is not float:
         return "Input should be a valid number"
-    if value != value or value in (float("inf"), float("-inf")):
+    if not math.isfinite(value):  # Python's JSON parser reads NaN and Infinity
         return "Input should be a finite number"
     return None
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pydantic import BaseModel, ValidationError
-
 from kvferry.engine.server.errors import validation_message
 from kvferry.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from pydantic import BaseModel, ValidationError
+
 from kvferry.protocol.request_checks import FIELDS, InvalidRequest, check_body
 
 MODELS: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,
