@@ -220,8 +220,7 @@ class Router:
         its length alone, at once, where tokenizing it would take seconds)."""
         pods = self.pods.pool("decode") or self.pods.pool("prefill")
         query = _tokenize_query(endpoint, body)
-        text = query.get("prompt") if query is not None else None
-        if isinstance(text, str) and pods and pods[0].record.cannot_fit(text):
+        if query is not None and pods and pods[0].record.cannot_fit(_num_text_chars(query)):
             return None
         if self.tokenizer is not None:
             token_ids = await self._local_token_ids(endpoint, body)
@@ -459,6 +458,24 @@ def _tokenize_query(endpoint: str, body: dict[str, Any]) -> dict[str, Any] | Non
     if isinstance(prompt, str):
         return {"model": model, "prompt": prompt}
     return None
+
+
+def _num_text_chars(query: dict[str, Any]) -> int:
+    """The characters of a /tokenize query's text: its prompt, or its messages' contents (the
+    rendered conversation is longer, by the template's own text; a template that dropped a
+    message would only cost the request its routing by prefix)."""
+    prompt = query.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt)
+    total = 0
+    for message in query.get("messages") or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part["text"]) for part in content
+                         if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return total
 
 
 def _headers(request_id: str) -> dict[str, str]:

@@ -40,12 +40,13 @@ class PodRecord:
     # max_model_len it proves a text too long from its length alone, before tokenizing.
     max_token_chars: int = 0
 
-    def cannot_fit(self, text: str) -> bool:
-        """True when `text` has more characters than max_model_len tokens can cover: the pod
-        refuses it before tokenizing it, and so nothing should tokenize it for the pod."""
+    def cannot_fit(self, num_chars: int) -> bool:
+        """True when a text of `num_chars` characters (or more) needs more tokens than
+        max_model_len: the pod refuses it before tokenizing it, and so nothing should
+        tokenize it for the pod."""
         if not self.max_model_len or not self.max_token_chars:
             return False
-        return -(-len(text) // self.max_token_chars) > self.max_model_len
+        return -(-num_chars // self.max_token_chars) > self.max_model_len
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

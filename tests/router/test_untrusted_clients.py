@@ -250,6 +250,28 @@ def test_a_huge_text_prompt_does_not_hold_the_router(service: dict[str, Proc]) -
     assert "maximum model length" in answers[0].json()["error"]["message"]
 
 
+def test_a_huge_chat_message_does_not_hold_the_pod(service: dict[str, Proc]) -> None:
+    """Chat prompts are tokenized by a pod's /tokenize for routing: one that cannot fit is
+    not sent there (where tokenizing it would hold the pod), and the pod refuses it."""
+    router, pod = service["reading"], service["pod"]
+    messages = [{"role": "user", "content": "w5 " * 2_600_000}]
+    body = json.dumps({"model": "demo", "messages": messages, "max_tokens": 2}).encode()
+    answers: list[httpx.Response] = []
+    sender = threading.Thread(
+        target=lambda: answers.append(post(router, "/v1/chat/completions", body)))
+    ping_s: list[float] = []
+    sender.start()
+    while sender.is_alive():
+        started = time.monotonic()
+        assert httpx.get(url(pod) + "/ping", timeout=30).status_code == 200
+        ping_s.append(time.monotonic() - started)
+        time.sleep(0.02)
+    sender.join()
+    assert max(ping_s) < 1.0, ping_s
+    assert answer_of(answers[0]) == (400, "messages")
+    assert "maximum model length" in answers[0].json()["error"]["message"]
+
+
 def until_closed(proc: Proc, sent: bytes, wait_s: float = 10.0) -> tuple[bytes, float]:
     """Sends `sent` on a new connection, then reads until the server closes it: (what it
     answered, seconds from the send to the close)."""
