@@ -420,7 +420,8 @@ def _batch_block_hashes(batch: list[list[int]], block_size: int) -> list[list[by
 def _local_token_ids(tokenizer: Tokenizer, endpoint: str, body: dict[str, Any]
                      ) -> list[int] | None:
     """A /v1/completions text prompt's ids exactly as the engine encodes it; None for chat
-    (its template and options are the engine's) and for anything but one text."""
+    (its template and options are the engine's) and for anything but one text. Runs on a
+    tokenizer thread (`encode_in_thread`, which lets the event loop run meanwhile)."""
     if endpoint.endswith("/chat/completions"):
         return None
     prompt = body.get("prompt")
@@ -429,7 +430,7 @@ def _local_token_ids(tokenizer: Tokenizer, endpoint: str, body: dict[str, Any]
     add_special_tokens = body.get("add_special_tokens", True)
     if not isinstance(prompt, str) or not isinstance(add_special_tokens, bool):
         return None
-    return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    return tokenizer.encode_in_thread(prompt, add_special_tokens=add_special_tokens)
 
 
 def load_tokenizer(source: str) -> Tokenizer:

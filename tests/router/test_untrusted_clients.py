@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from kvferry_testing.procs import Proc, free_port, router_process, wait_http
+from kvferry_testing.procs import Proc, fake_engine, free_port, router_process, wait_http
 from kvferry_testing.serve_helpers import KV_CACHE_BYTES
 
 SERVICE = "checks"
@@ -248,6 +248,38 @@ def test_a_huge_text_prompt_does_not_hold_the_router(service: dict[str, Proc]) -
     # The pod's own refusal, from the length alone: the prompt cannot fit max_model_len.
     assert answer_of(answers[0]) == (400, "prompt")
     assert "maximum model length" in answers[0].json()["error"]["message"]
+
+
+def test_a_huge_text_tokenized_by_the_router_does_not_hold_it(
+        tmp_path: Path, redis_url: str) -> None:
+    """A pod that announces no length limits (a fake one here) leaves nothing to refuse the
+    text by: the router tokenizes all of it, on a thread, and keeps answering meanwhile."""
+    procs: list[Proc] = []
+    try:
+        procs.append(fake_engine(tmp_path, redis_url, "unlimited", "decode", "fake-0"))
+        router = router_process(tmp_path, redis_url, "unlimited", "--tokenizer", "demo",
+                                env={"KVFERRY_ROUTING_DECODE": "prefix-aware"})
+        procs.append(router)
+        wait_decode_pool(router)
+        body = json.dumps({"model": "fake", "prompt": "w5 " * 2_600_000}).encode()
+        answers: list[httpx.Response] = []
+        sender = threading.Thread(
+            target=lambda: answers.append(post(router, "/v1/completions", body)))
+        health_s: list[float] = []
+        sender.start()
+        while sender.is_alive():
+            started = time.monotonic()
+            assert httpx.get(url(router) + "/health", timeout=60).status_code == 200
+            health_s.append(time.monotonic() - started)
+            time.sleep(0.02)
+        sender.join()
+        assert answers[0].status_code == 200, answers[0].text
+        metrics = httpx.get(url(router) + "/metrics", timeout=10).text
+        assert 'kvferry:router_tokenized_prompts_total{where="router"} 1.0' in metrics
+        assert max(health_s) < 1.0, health_s
+    finally:
+        for proc in procs:
+            proc.stop()
 
 
 def test_a_huge_chat_message_does_not_hold_the_pod(service: dict[str, Proc]) -> None:
