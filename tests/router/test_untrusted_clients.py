@@ -304,6 +304,28 @@ def test_a_huge_chat_message_does_not_hold_the_pod(service: dict[str, Proc]) -> 
     assert "maximum model length" in answers[0].json()["error"]["message"]
 
 
+@pytest.mark.parametrize("field", ["prompt", "messages"])
+def test_a_huge_tokenize_does_not_hold_the_pod(service: dict[str, Proc], field: str) -> None:
+    pod = service["pod"]
+    text = "w5 " * 2_600_000
+    query = ({"prompt": text} if field == "prompt"
+             else {"messages": [{"role": "user", "content": text}]})
+    body = json.dumps({"model": "demo", **query}).encode()
+    answers: list[httpx.Response] = []
+    sender = threading.Thread(target=lambda: answers.append(post(pod, "/tokenize", body)))
+    ping_s: list[float] = []
+    sender.start()
+    while sender.is_alive():
+        started = time.monotonic()
+        assert httpx.get(url(pod) + "/ping", timeout=60).status_code == 200
+        ping_s.append(time.monotonic() - started)
+        time.sleep(0.02)
+    sender.join()
+    assert answers[0].status_code == 200, answers[0].text
+    assert answers[0].json()["count"] >= 2_600_000
+    assert max(ping_s) < 1.0, ping_s
+
+
 def until_closed(proc: Proc, sent: bytes, wait_s: float = 10.0) -> tuple[bytes, float]:
     """Sends `sent` on a new connection, then reads until the server closes it: (what it
     answered, seconds from the send to the close)."""
