@@ -14,7 +14,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -27,7 +27,9 @@ from kvferry.router.hops import TRANSPORT_ERRORS, HopError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvferry.http_protocol import uvicorn_options
 from kvferry.protocol.errors import error_body, http_error_message
+from kvferry.protocol.request_checks import InvalidRequest
 
 if TYPE_CHECKING:
     from kvferry.engine.frontend.tokenizer import Tokenizer
@@ -120,10 +122,18 @@ class Gate:
                               f"{self.max_body_bytes} bytes", "request_too_large", request_id)
             return
         try:
-            answer = await self._answer(endpoint, raw, request_id)
+            answer = await _unless_client_leaves(receive, self._answer(endpoint, raw,
+                                                                       request_id))
+        except ClientGone:
+            router.metrics.requests.labels(endpoint, "499").inc()
+            return
         except HopError as exc:
             router.metrics.requests.labels(endpoint, str(exc.status)).inc()
             await _send_error(send, exc.status, str(exc), exc.code, request_id)
+            return
+        except InvalidRequest as exc:  # refused as the engine pods refuse it
+            router.metrics.requests.labels(endpoint, "400").inc()
+            await _send_error(send, 400, str(exc), None, request_id, param=exc.param)
             return
         except ValueError as exc:  # the body is not a JSON object
             router.metrics.requests.labels(endpoint, "400").inc()
@@ -136,6 +146,52 @@ class Gate:
         if self.router.can_relay_raw(raw):
             return await self.router.relay_raw(endpoint, raw, request_id)
         return await self.router.generate(endpoint, _json_object(raw), request_id, raw)
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was ready."""
+
+
+async def _unless_client_leaves(receive: Receive, work: Coroutine[Any, Any, Answer]) -> Answer:
+    """Runs `work` (the hops up to a whole answer, or a stream's first chunk) in this task;
+    ClientGone, with `work` cancelled, if the client disconnects meanwhile.
+
+    Cancelling the hop closes its connection to the pod, and the pod aborts the request
+    instead of generating a whole non-streamed answer for no one. Watching for the
+    disconnect costs a task, so it starts once the work has lasted WATCH_DISCONNECT_AFTER_S
+    (a timer until then): a quick answer costs nothing more.
+    """
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    watcher: asyncio.Future[None] | None = None
+    is_working = True
+    is_gone = False
+
+    def on_disconnect(done: asyncio.Future[None]) -> None:
+        nonlocal is_gone
+        # Only while `work` runs: once it is over, the relay watches for itself.
+        if is_working and not done.cancelled() and done.exception() is None:
+            is_gone = True
+            task.cancel()
+
+    def watch() -> None:
+        nonlocal watcher
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        watcher.add_done_callback(on_disconnect)
+
+    timer = loop.call_later(WATCH_DISCONNECT_AFTER_S, watch)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if is_gone and task.uncancel() == 0:
+            raise ClientGone() from None
+        raise
+    finally:
+        is_working = False
+        timer.cancel()
+        if watcher is not None:
+            watcher.cancel()
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -225,8 +281,9 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 async def _send_error(send: Send, status: int, message: str, code: str | None, request_id: str,
-                      extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = json.dumps(error_body(status, message, None, code)).encode()
+                      extra_headers: list[tuple[bytes, bytes]] | None = None,
+                      param: str | None = None) -> None:
+    body = json.dumps(error_body(status, message, param, code)).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
         (b"x-request-id", request_id.encode("latin-1")), *(extra_headers or ())]})
@@ -358,7 +415,8 @@ async def _serve(settings: RouterSettings, tokenizer: Tokenizer | None) -> int:
                             timeout_graceful_shutdown=settings.drain_timeout_s,  # type: ignore[arg-type]
                             # Nothing here reads the client's address, and clients need
                             # no `server` header: both would cost work on every request.
-                            proxy_headers=False, server_header=False)
+                            proxy_headers=False, server_header=False,
+                            **uvicorn_options(settings.http_limits))
     server = CleanExitServer(config)
     logger.info("routing service %s on http://%s:%d (policies: %s)", settings.service,
                 settings.host, settings.port,

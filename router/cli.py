@@ -20,6 +20,8 @@ from kvferry.router.config import (
     read_api_keys,
 )
 
+from kvferry.http_limits import add_http_limit_arguments, http_limits_from_args
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--service", default=os.environ.get("KVFERRY_SERVICE") or None,
@@ -55,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "$KVFERRY_DRAIN_SECONDS, the engine pods' drain, or 30)")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_http_limit_arguments(parser)
 
 
 def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> RouterSettings:
@@ -76,6 +79,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Rou
         timeouts=HopTimeouts(args.connect_timeout, args.prefill_timeout, args.decode_timeout),
         uvicorn_log_level=args.uvicorn_log_level, drain_timeout_s=args.drain_timeout,
         tokenizer=args.tokenizer or environ.get("KVFERRY_ROUTER_TOKENIZER") or None,
+        http_limits=http_limits_from_args(args),
     )
 
 

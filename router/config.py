@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvferry.http_limits import HttpLimits
+
 POLICIES = ("round-robin", "least-loaded", "prefix-aware")
 POOLS = ("encoder", "prefill", "decode")
 DEFAULT_POLICIES = {"encoder": "least-loaded", "prefill": "prefix-aware", "decode": "least-loaded"}
@@ -52,6 +54,8 @@ class RouterSettings:
     tokenizer: str | None = None
     # On SIGTERM, how long in-flight requests may still run before they are cut.
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    # Header, body and idle timeouts, and the most open client connections.
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
 
     def __post_init__(self) -> None:
         for pool, policy in self.policies.items():

@@ -13,9 +13,11 @@ the client gets that answer, as the decode pod would give it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +40,7 @@ from kvferry.router.policies import Choice, Policy, PrefixAware, make_policy
 from kvferry.router.prefix_index import PrefixIndex, prompt_block_hashes
 
 from kvferry.protocol.errors import error_body
+from kvferry.protocol.request_checks import check_body
 
 if TYPE_CHECKING:
     from kvferry.engine.frontend.tokenizer import Tokenizer
@@ -47,6 +50,9 @@ logger = logging.getLogger("kvferry.router")
 # A client may not steer KV transfer: the router sets this field itself, or drops it.
 KV_TRANSFER_FIELD = "kv_transfer_params"
 TOKENIZE_TIMEOUT_S = 10.0
+# Threads that run the router's tokenizer. Never the event loop: a long text takes seconds to
+# tokenize (the tokenizer releases the GIL meanwhile), and every other request would wait.
+TOKENIZE_THREADS = 2
 
 
 @dataclass
@@ -88,6 +94,8 @@ class Router:
         # The engines' tokenizer, when the router was given it: text prompts are tokenized
         # here, without a /tokenize round trip to a pod.
         self.tokenizer = tokenizer
+        self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS,
+                                                 thread_name_prefix="kvferry-tokenize")
         self.pods = PodDirectory(settings.redis_url, settings.service, settings.registry_poll_s)
         self.index = PrefixIndex()
         self.kv_events = KVEventReader(settings.redis_url, settings.service, self.index)
@@ -114,13 +122,17 @@ class Router:
         await self.pods.stop()
         await self.client.close()
         await self.pod_client.close()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ the whole request
     async def generate(self, endpoint: str, body: dict[str, Any], request_id: str,
                        raw: bytes | None = None) -> Answer:
         """Runs one /v1/completions or /v1/chat/completions request through the pools.
         `raw` is the body as the client sent it: the decode pod gets it unchanged unless the
-        router had to drop or add transfer params (saving a serialization per request)."""
+        router had to drop or add transfer params (saving a serialization per request).
+        InvalidRequest: the body has text or a field type the engine pods refuse (the router
+        refuses it the same way, before tokenizing it or spending a prefill hop on it)."""
+        check_body(endpoint, body)
         if KV_TRANSFER_FIELD in body:
             del body[KV_TRANSFER_FIELD]
             raw = None
@@ -203,14 +215,18 @@ class Router:
     async def _tokenize(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids: from the router's own copy of the engines' tokenizer when
         it has one and the prompt is one text, else from a pod's /tokenize (the engine's own
-        tokenizer and chat template); None when the prompt is neither (the engine judges)."""
+        tokenizer and chat template); None when the prompt is neither, or is a text that
+        cannot fit the pods' max_model_len (the engine judges: it refuses such a text from
+        its length alone, at once, where tokenizing it would take seconds)."""
+        pods = self.pods.pool("decode") or self.pods.pool("prefill")
+        query = _tokenize_query(endpoint, body)
+        if query is not None and pods and pods[0].record.cannot_fit(_num_text_chars(query)):
+            return None
         if self.tokenizer is not None:
-            token_ids = _local_token_ids(self.tokenizer, endpoint, body)
+            token_ids = await self._local_token_ids(endpoint, body)
             if token_ids is not None:
                 self.metrics.tokenized.labels("router").inc()
                 return token_ids
-        query = _tokenize_query(endpoint, body)
-        pods = self.pods.pool("decode") or self.pods.pool("prefill")
         if query is None or not pods:
             return None
         pod = min(pods, key=lambda p: p.num_routed)
@@ -225,6 +241,13 @@ class Router:
             logger.warning("tokenize on %s failed: %s", pod.name, exc)
             return None
         return tokens if isinstance(tokens, list) else None
+
+    async def _local_token_ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+        """`_local_token_ids` on a tokenizer thread."""
+        assert self.tokenizer is not None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, _local_token_ids,
+                                          self.tokenizer, endpoint, body)
 
     # ------------------------------------------------------------------ prefill
     async def _maybe_prefill(self, endpoint: str, body: dict[str, Any], prompt: Prompt,
@@ -397,7 +420,8 @@ def _batch_block_hashes(batch: list[list[int]], block_size: int) -> list[list[by
 def _local_token_ids(tokenizer: Tokenizer, endpoint: str, body: dict[str, Any]
                      ) -> list[int] | None:
     """A /v1/completions text prompt's ids exactly as the engine encodes it; None for chat
-    (its template and options are the engine's) and for anything but one text."""
+    (its template and options are the engine's) and for anything but one text. Runs on a
+    tokenizer thread (`encode_in_thread`, which lets the event loop run meanwhile)."""
     if endpoint.endswith("/chat/completions"):
         return None
     prompt = body.get("prompt")
@@ -406,7 +430,7 @@ def _local_token_ids(tokenizer: Tokenizer, endpoint: str, body: dict[str, Any]
     add_special_tokens = body.get("add_special_tokens", True)
     if not isinstance(prompt, str) or not isinstance(add_special_tokens, bool):
         return None
-    return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    return tokenizer.encode_in_thread(prompt, add_special_tokens=add_special_tokens)
 
 
 def load_tokenizer(source: str) -> Tokenizer:
@@ -435,6 +459,24 @@ def _tokenize_query(endpoint: str, body: dict[str, Any]) -> dict[str, Any] | Non
     if isinstance(prompt, str):
         return {"model": model, "prompt": prompt}
     return None
+
+
+def _num_text_chars(query: dict[str, Any]) -> int:
+    """The characters of a /tokenize query's text: its prompt, or its messages' contents (the
+    rendered conversation is longer, by the template's own text; a template that dropped a
+    message would only cost the request its routing by prefix)."""
+    prompt = query.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt)
+    total = 0
+    for message in query.get("messages") or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part["text"]) for part in content
+                         if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return total
 
 
 def _headers(request_id: str) -> dict[str, str]:

@@ -175,6 +175,13 @@ class Tokenizer:
         """Token ids of `text`; with `add_special_tokens`, BOS/EOS as the tokenizer adds them."""
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_in_thread(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`encode`'s ids, for a worker thread: the tokenizers library lets other threads
+        run (releases the GIL) for the whole of a batch encode, but not of a single one, so
+        a long text encoded this way does not stall an event loop in another thread."""
+        batch = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return batch[0].ids
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`; special tokens are dropped unless `skip_special_tokens` is False."""
         text = self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

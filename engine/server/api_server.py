@@ -11,15 +11,17 @@ flight (streams included) so that a drain knows when they are done. The process 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import re
 import uuid
 from importlib import metadata
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from kvferry.engine.config import EngineConfig
-from kvferry.engine.server.chat import chat_prompt, create_chat_completion
+from kvferry.engine.server.chat import chat_text, create_chat_completion
 from kvferry.engine.server.completions import create_completion
 from kvferry.engine.server.errors import (
     ApiError,
@@ -42,6 +44,9 @@ from kvferry.engine.server.protocol import (
 from kvferry.engine.server.serving import check_model
 from kvferry.engine.server.state import ServerSettings, ServerState
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from kvferry.engine.frontend.async_llm import AsyncLLM
 
 __all__ = ["ServerSettings", "ServerState", "build_app", "serve"]
 
@@ -220,24 +225,25 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_token_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(body: TokenizeRequest) -> Response:
         engine = state.engine
         assert engine is not None
         check_model(body.model, state.served_model_name)
         if body.messages is not None:
             conversation = [{"role": m.role, "content": m.text(i)}
                             for i, m in enumerate(body.messages)]
-            _, ids = chat_prompt(state, engine, conversation, body.add_generation_prompt)
+            text = chat_text(state, engine, conversation, body.add_generation_prompt)
+            add_special_tokens = False  # the template holds them
         elif body.prompt is not None:
-            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            text, add_special_tokens = body.prompt, body.add_special_tokens
         else:
             raise bad_request("send either 'prompt' (text) or 'messages'", param="prompt")
-        strs = None
-        if body.return_token_strs:
-            strs = [engine.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
-        return TokenizeResponse(count=len(ids), tokens=ids, token_strs=strs,
-                                max_model_len=engine.input_processor.limits.max_model_len)
+        # A long text takes seconds to tokenize, and its ids long to write as JSON: both on a
+        # worker thread, so the server keeps answering meanwhile (probes and registry too).
+        answer = await asyncio.to_thread(_tokenize_answer, engine, text, add_special_tokens,
+                                         body.return_token_strs)
+        return Response(answer, media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
@@ -250,6 +256,18 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
                 raise bad_request(f"tokens[{index}] = {token} is outside the vocabulary "
                                   f"[0, {vocab_size})", param="tokens")
         return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+
+
+def _tokenize_answer(engine: AsyncLLM, text: str, add_special_tokens: bool,
+                     return_token_strs: bool) -> bytes:
+    """The /tokenize answer's JSON, made on a worker thread (`encode_in_thread`)."""
+    ids = engine.tokenizer.encode_in_thread(text, add_special_tokens=add_special_tokens)
+    strs = None
+    if return_token_strs:
+        strs = [engine.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    answer = TokenizeResponse(count=len(ids), tokens=ids, token_strs=strs,
+                              max_model_len=engine.input_processor.limits.max_model_len)
+    return answer.model_dump_json().encode()
 
 
 def _add_probe_routes(app: FastAPI, state: ServerState) -> None:

@@ -40,6 +40,7 @@ from kvferry.engine.server.serving import (
     check_model,
     check_queue_room,
     check_request_fits,
+    check_stop_limits,
     check_text_fits,
     engine_error,
     process_prompt,
@@ -89,15 +90,21 @@ def chat_prompt(state: ServerState, engine: AsyncLLM, messages: list[dict[str, o
     With `fits_param`, a conversation too long to fit the model is a 400 naming it, found
     before tokenizing.
     """
+    text = chat_text(state, engine, messages, add_generation_prompt, extra)
+    if fits_param is not None:
+        check_text_fits(engine, text, fits_param)
+    return text, engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_text(state: ServerState, engine: AsyncLLM, messages: list[dict[str, object]],
+              add_generation_prompt: bool, extra: dict[str, object] | None = None) -> str:
+    """The conversation rendered with the chat template (its special tokens as text)."""
     tokenizer = engine.tokenizer
-    text = render_chat(
+    return render_chat(
         state.chat_template, messages, add_generation_prompt=add_generation_prompt,
         special_tokens={"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token},
         extra=extra,
     )
-    if fits_param is not None:
-        check_text_fits(engine, text, fits_param)
-    return text, tokenizer.encode(text, add_special_tokens=False)
 
 
 def prepare(state: ServerState, body: ChatCompletionRequest, request: Request) -> ChatJob:
@@ -105,6 +112,7 @@ def prepare(state: ServerState, body: ChatCompletionRequest, request: Request) -
     assert engine is not None  # the middleware answers 503 until the engine is loaded
     record = RequestRecord(request.state.request_id, "chat")
     check_model(body.model, state.served_model_name)
+    check_stop_limits(body.stop, state.settings.max_stop_strings, state.settings.max_stop_bytes)
     params = body.to_sampling_params()
     text, ids = chat_prompt(state, engine, body.conversation(),
                             body.add_generation_prompt, body.chat_template_kwargs, "messages")

@@ -16,13 +16,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvferry.engine.arg_utils import add_engine_arguments, engine_config_from_args
-from kvferry.engine.server.state import DEFAULT_MAX_BODY_BYTES
+from kvferry.engine.server.state import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_STOP_BYTES,
+    DEFAULT_MAX_STOP_STRINGS,
+)
 from kvferry.kvtransfer.args import (
     add_kv_transfer_arguments,
     kv_transfer_config,
     read_transfer_key,
 )
 from kvferry.kvtransfer.auth import KEY_ENV
+
+from kvferry.http_limits import add_http_limit_arguments, http_limits_from_args
 
 if TYPE_CHECKING:
     from kvferry.engine.server.registry import RegistrationSettings
@@ -62,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         metavar="N", help="answer 413 to a request body larger than N bytes, "
                                           "before reading it (default 8 MiB, as the router)")
+    server.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS,
+                        metavar="N", help="answer 400 to a request with more than N stop "
+                                          f"strings (default {DEFAULT_MAX_STOP_STRINGS})")
+    server.add_argument("--max-stop-bytes", type=int, default=DEFAULT_MAX_STOP_BYTES,
+                        metavar="N", help="answer 400 to a request whose stop strings hold "
+                                          "more than N bytes of UTF-8 in all (default "
+                                          f"{DEFAULT_MAX_STOP_BYTES})")
     # A string default goes through `type`, so a bad $KVFERRY_DRAIN_SECONDS is a usage error.
     server.add_argument("--drain-timeout", type=float,
                         default=os.environ.get("KVFERRY_DRAIN_SECONDS") or str(DEFAULT_DRAIN_TIMEOUT_S),
@@ -71,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="put prompt text in the request log lines")
     server.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_http_limit_arguments(parser)
     parallel = parser.add_argument_group("parallelism and inputs")
     parallel.add_argument("--tensor-parallel-size", type=int, default=1)
     parallel.add_argument("--pipeline-parallel-size", type=int, default=1)
@@ -137,6 +151,10 @@ def check_supported(args: argparse.Namespace) -> str | None:
                 "--tensor-parallel-size and --pipeline-parallel-size must be 1")
     if args.max_body_bytes < 1024:
         return f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}"
+    if args.max_stop_strings < 1:
+        return f"--max-stop-strings must be >= 1, got {args.max_stop_strings}"
+    if args.max_stop_bytes < 1:
+        return f"--max-stop-bytes must be >= 1, got {args.max_stop_bytes}"
     if args.max_num_waiting is not None and args.max_num_waiting < 1:
         return f"--max-num-waiting must be >= 1, got {args.max_num_waiting}"
     if not args.drain_timeout >= 0:
@@ -193,10 +211,11 @@ def run(args: argparse.Namespace) -> int:
         settings = ServerSettings(
             host=args.host, port=args.port, api_key=read_api_key(args, os.environ),
             chat_template=args.chat_template, max_num_waiting=args.max_num_waiting,
-            max_body_bytes=args.max_body_bytes,
-            drain_timeout_s=args.drain_timeout, log_prompts=args.log_prompts,
+            max_body_bytes=args.max_body_bytes, max_stop_strings=args.max_stop_strings,
+            max_stop_bytes=args.max_stop_bytes, drain_timeout_s=args.drain_timeout, log_prompts=args.log_prompts,
             uvicorn_log_level=args.uvicorn_log_level,
             registration=_registration(args, env),
+            http_limits=http_limits_from_args(args),
         )
     except (OSError, ValueError) as exc:
         print(f"kvferry serve: error: {exc}", file=sys.stderr)

@@ -32,6 +32,7 @@ from kvferry.engine.server.serving import (
     check_model,
     check_queue_room,
     check_request_fits,
+    check_stop_limits,
     check_text_fits,
     engine_error,
     process_prompt,
@@ -92,6 +93,7 @@ def prepare(state: ServerState, body: CompletionRequest, request: Request) -> Co
     assert engine is not None  # the middleware answers 503 until the engine is loaded
     record = RequestRecord(request.state.request_id, "completions")
     check_model(body.model, state.served_model_name)
+    check_stop_limits(body.stop, state.settings.max_stop_strings, state.settings.max_stop_bytes)
     params = body.to_sampling_params()
     prompts = [_process(engine, p, body.add_special_tokens) for p in body.prompts()]
     check_request_fits(engine, prompts, params, "max_tokens")

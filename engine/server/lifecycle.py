@@ -26,6 +26,8 @@ from kvferry.engine.server.chat_template import compile_template, load_chat_temp
 from kvferry.engine.server.state import Phase, ServerSettings, ServerState
 from starlette.types import ASGIApp
 
+from kvferry.http_protocol import uvicorn_options
+
 if TYPE_CHECKING:
     from kvferry.engine.frontend.async_llm import AsyncLLM
     from kvferry.engine.server.registry import PodRegistrar
@@ -105,7 +107,10 @@ class Lifecycle:
             return
         from kvferry.engine.server.registry import PodRegistrar
 
-        self.registrar = PodRegistrar(registration, engine.served_model_name, block_size)
+        self.registrar = PodRegistrar(
+            registration, engine.served_model_name, block_size,
+            max_model_len=engine.input_processor.limits.max_model_len,
+            max_token_chars=engine.tokenizer.max_token_chars or 0)
         engine.add_stats_listener(self.registrar.record_stats)
         self.registrar.start()
 
@@ -161,6 +166,7 @@ class Lifecycle:
             app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
             access_log=False, lifespan="off",
             timeout_graceful_shutdown=int(CONNECTION_CLOSE_TIMEOUT_S),
+            **uvicorn_options(settings.http_limits),
         )
         self.server = _SignalAwareServer(config, self)
         server_task = asyncio.create_task(self.server.serve())

@@ -3,12 +3,16 @@
 Requests are checked in two layers. The models check types and integer ranges (so nothing
 the engine cannot encode gets through); `SamplingParams` checks values, with messages that
 name the field and the limit. Both failures become 400s naming the field.
+
+Types are strict, as the OpenAI API's are: integers are JSON integers (not `true`, `5.0` or
+`"5"`), numbers are integers or floats (not strings or booleans), booleans are `true` or
+`false`. The router checks the same fields with `kvferry.protocol.request_checks`, which
+must agree with these models (a test holds the two together).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -20,12 +24,24 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    Strict,
     model_serializer,
     model_validator,
 )
 
-# Integers cross to the engine core as msgpack, which holds 64 bits.
-Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+from kvferry.protocol.request_checks import (
+    INT64_MAX,
+    INT64_MIN,
+    InvalidRequest,
+    check_unicode,
+)
+
+# Integers cross to the engine core as msgpack, which holds 64 bits; `Strict` refuses
+# booleans, floats and strings where an integer belongs.
+Int64 = Annotated[int, Strict(), Field(ge=INT64_MIN, le=INT64_MAX)]
+# A number: a JSON integer or float (strict floats take integers, not strings or booleans).
+Number = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
 # Completions per prompt; each is a sequence in the engine, so a request cannot ask for many.
 MAX_N = 128
 # The most prompts one /v1/completions request may batch.
@@ -43,88 +59,47 @@ class OpenAIModel(BaseModel):
 
 
 class RequestBody(OpenAIModel):
-    """A request body; its text must be Unicode that the tokenizer can take.
-
-    JSON can spell a lone UTF-16 surrogate (`"\\ud800"`), which Python keeps in a str but
-    which no UTF-8 tokenizer or codec accepts: found before the body is parsed, it is a 400
-    naming its field instead of a failure deep in the tokenizer or the detokenizer.
-    """
+    """A request body; its text must be Unicode that the tokenizer can take (see
+    `check_unicode`: a lone UTF-16 surrogate is a 400 naming its field, found before the
+    body is parsed, instead of a failure deep in the tokenizer or the detokenizer)."""
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_lone_surrogates(cls, data: Any) -> Any:
-        found = find_lone_surrogate(data, "")
-        if found is not None:
-            path, position, char = found
-            raise bad_request(
-                f"{path} holds a lone UTF-16 surrogate (\\u{ord(char):04x}) at character "
-                f"{position}: text must be valid Unicode (a surrogate only comes in a "
-                "high-low pair)", param=_field_of(path))
+        try:
+            check_unicode(data)
+        except InvalidRequest as exc:
+            raise bad_request(str(exc), param=exc.param) from None
         return data
-
-
-# Python decodes a JSON surrogate pair into one character, so any surrogate left is lone.
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def find_lone_surrogate(value: Any, path: str) -> tuple[str, int, str] | None:
-    """(location, character index, surrogate) of the first lone surrogate in a JSON value."""
-    if isinstance(value, str):
-        if value.isascii():
-            return None
-        match = _SURROGATE.search(value)
-        return None if match is None else (path, match.start(), match.group())
-    if isinstance(value, dict):
-        for key, item in value.items():
-            key_path = f"{path}.{key}" if path else str(key)
-            found = find_lone_surrogate(key, f"{key_path} (its name)")
-            if found is None:
-                found = find_lone_surrogate(item, key_path)
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            found = find_lone_surrogate(item, f"{path}[{index}]")
-            if found is not None:
-                return found
-    return None
-
-
-def _field_of(path: str) -> str:
-    """The top-level field of a location: "messages[0].content" -> "messages"."""
-    for end, char in enumerate(path):
-        if char in ".[ ":
-            return path[:end]
-    return path
 
 
 class StreamOptions(OpenAIModel):
     # Send one more chunk, with empty choices and the request's usage, before [DONE].
-    include_usage: bool = False
+    include_usage: Bool = False
     # Put the usage so far in every chunk.
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: Bool = False
 
 
 class SamplingRequest(RequestBody):
     """The sampling and streaming fields that completions and chat share."""
 
     model: str | None = None
-    n: int = Field(1, le=MAX_N)
-    temperature: float | None = None
-    top_p: float | None = None
+    n: Annotated[int, Strict(), Field(le=MAX_N)] = 1
+    temperature: Number | None = None
+    top_p: Number | None = None
     top_k: Int64 | None = None
-    min_p: float | None = None
+    min_p: Number | None = None
     seed: Int64 | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Int64] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
+    repetition_penalty: Number = 1.0
+    ignore_eos: Bool = False
     min_tokens: Int64 = 0
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    stream: bool = False
+    skip_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     # Lower runs earlier when the server schedules by priority.
     priority: Int64 = 0
@@ -186,8 +161,8 @@ class CompletionRequest(SamplingRequest):
     # Alternatives per position (0 = only the sampled token's logprob).
     logprobs: Int64 | None = None
     # Put the prompt in front of each completion's text.
-    echo: bool = False
-    add_special_tokens: bool = True
+    echo: Bool = False
+    add_special_tokens: Bool = True
 
     def to_sampling_params(self) -> SamplingParams:
         if self.echo and self.logprobs is not None:
@@ -252,10 +227,10 @@ class ChatCompletionRequest(SamplingRequest):
     # Deprecated by OpenAI in favour of max_completion_tokens; still honoured.
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None
-    logprobs: bool = False
+    logprobs: Bool = False
     top_logprobs: Int64 | None = None
     # End the rendered conversation with the header of an assistant turn.
-    add_generation_prompt: bool = True
+    add_generation_prompt: Bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
@@ -286,9 +261,9 @@ class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
+    add_special_tokens: Bool = True
+    add_generation_prompt: Bool = True
+    return_token_strs: Bool = False
 
 
 class DetokenizeRequest(RequestBody):

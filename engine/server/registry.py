@@ -50,12 +50,16 @@ def registration_settings(redis_url: str, service: str | None, role: str, host: 
 class PodRegistrar:
     """Keeps this pod's registry key alive while the server serves."""
 
-    def __init__(self, settings: RegistrationSettings, model: str, block_size: int) -> None:
+    def __init__(self, settings: RegistrationSettings, model: str, block_size: int,
+                 max_model_len: int = 0, max_token_chars: int = 0) -> None:
         import redis.asyncio as aioredis
 
         self.settings = settings
         self.model = model
         self.block_size = block_size
+        # Announced so that the router refuses a text that cannot fit before tokenizing it.
+        self.max_model_len = max_model_len
+        self.max_token_chars = max_token_chars
         self.stats = SchedulerStats()
         # This engine process, in its KV events: a reader that sees the pod's instance
         # change drops what the previous process held.
@@ -79,7 +83,9 @@ class PodRegistrar:
         return PodRecord(pod=s.pod, service=s.service, role=s.role, model=self.model, url=s.url,
                          block_size=self.block_size, num_running=self.stats.num_running_reqs,
                          num_waiting=self.stats.num_waiting_reqs,
-                         kv_cache_usage=self.stats.kv_cache_usage, updated_at=time.time())
+                         kv_cache_usage=self.stats.kv_cache_usage, updated_at=time.time(),
+                         max_model_len=self.max_model_len,
+                         max_token_chars=self.max_token_chars)
 
     async def publish(self) -> None:
         ttl_ms = int(REGISTRY_TTL_S * 1000)

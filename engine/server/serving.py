@@ -29,6 +29,21 @@ def check_model(requested: str | None, served_name: str) -> None:
                             f"{served_name!r}", param="model", code="model_not_found")
 
 
+def check_stop_limits(stop: str | list[str] | None, max_strings: int, max_bytes: int) -> None:
+    """400 naming `stop` when a request gives more stop strings, or more bytes of them, than
+    the server takes (`--max-stop-strings`, `--max-stop-bytes`)."""
+    if stop is None:
+        return
+    strings = [stop] if isinstance(stop, str) else stop
+    if len(strings) > max_strings:
+        raise bad_request(f"stop holds {len(strings)} strings, more than the limit of "
+                          f"{max_strings} (--max-stop-strings)", param="stop")
+    num_bytes = sum(len(s.encode()) for s in strings)
+    if num_bytes > max_bytes:
+        raise bad_request(f"stop holds {num_bytes} bytes of text, more than the limit of "
+                          f"{max_bytes} (--max-stop-bytes)", param="stop")
+
+
 def process_prompt(engine: AsyncLLM, prompt: PromptType, param: str) -> ProcessedPrompt:
     """Tokenized and checked against the model's limits; a 400 naming `param` otherwise."""
     try:

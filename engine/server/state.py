@@ -7,8 +7,15 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvferry.http_limits import HttpLimits
+
 # The largest request body read by default (the router's default too).
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+# The most `stop` strings a request may give, and their most UTF-8 bytes in all. Every new
+# token is matched against each of them, so they bound the work one request adds to every
+# step; clients use a handful (OpenAI takes 4).
+DEFAULT_MAX_STOP_STRINGS = 64
+DEFAULT_MAX_STOP_BYTES = 16 * 1024
 
 if TYPE_CHECKING:
     from kvferry.engine.frontend.async_llm import AsyncLLM
@@ -30,6 +37,9 @@ class ServerSettings:
     max_num_waiting: int | None = None
     # 413 for a request body larger than this, before reading it.
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # 400 for a request with more `stop` strings than this, or more UTF-8 bytes in them.
+    max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
+    max_stop_bytes: int = DEFAULT_MAX_STOP_BYTES
     # On SIGTERM, seconds to let in-flight requests finish before exiting anyway.
     drain_timeout_s: float = 30.0
     # Put prompt text in the per-request log lines.
@@ -37,6 +47,8 @@ class ServerSettings:
     uvicorn_log_level: str = "warning"
     # `--redis`: announce this pod in the service's pod registry; None: do not.
     registration: RegistrationSettings | None = None
+    # Header, body and idle timeouts, and the most open client connections.
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
 
 
 class Phase(enum.Enum):

@@ -34,6 +34,19 @@ class PodRecord:
     num_waiting: int  # requests queued for the scheduler
     kv_cache_usage: float  # fraction of KV blocks in use, 0.0 - 1.0
     updated_at: float  # time.time() of this record
+    # The longest prompt plus output, in tokens (0: not announced).
+    max_model_len: int = 0
+    # The most characters one token of the pod's tokenizer covers (0: not announced). With
+    # max_model_len it proves a text too long from its length alone, before tokenizing.
+    max_token_chars: int = 0
+
+    def cannot_fit(self, num_chars: int) -> bool:
+        """True when a text of `num_chars` characters (or more) needs more tokens than
+        max_model_len: the pod refuses it before tokenizing it, and so nothing should
+        tokenize it for the pod."""
+        if not self.max_model_len or not self.max_token_chars:
+            return False
+        return -(-num_chars // self.max_token_chars) > self.max_model_len
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

@@ -149,13 +149,16 @@ def test_a_batch_of_token_id_prompts_is_hashed_and_remembered(service: Service) 
     assert tokenize_calls(pods) == calls
 
 
-def test_token_ids_past_int64_are_left_to_the_engine(service: Service) -> None:
+def test_token_ids_past_int64_are_refused_as_the_engines_refuse_them(service: Service) -> None:
     prompt = [2**63] * BLOCK_SIZE
+    calls = tokenize_calls(service.pods)
     response = httpx.post(url(service.router) + "/v1/completions",
                           json={"model": "fake", "prompt": prompt, "max_tokens": 3})
-    # The fake engine accepts any ids; the router neither failed nor asked /tokenize.
-    assert response.status_code == 200
-    assert len(pod_of(service.pods, prompt)) == 1
+    # The engines' 400 (their ids are 64-bit), from the router itself: no pod was asked.
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "prompt"
+    assert pod_of(service.pods, prompt) == []
+    assert tokenize_calls(service.pods) == calls
 
 
 def test_a_restarted_pod_loses_its_prefix_entries(service: Service) -> None:

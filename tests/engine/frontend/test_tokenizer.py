@@ -132,3 +132,11 @@ def test_no_length_bound_where_a_token_may_cover_any_number_of_characters(make_c
     backend.pre_tokenizer = tokenizers.pre_tokenizers.Sequence(
         [tokenizers.pre_tokenizers.WhitespaceSplit(), tokenizers.pre_tokenizers.ByteLevel()])
     assert Tokenizer(backend).max_token_chars is None
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_encode_in_thread_gives_encodes_ids(demo_dir: Path, add_special_tokens: bool) -> None:
+    tok = Tokenizer.from_pretrained(demo_dir)
+    for text in ["", "Hello", "w5 w6 é 😀 \n\t", "the river " * 500]:
+        assert tok.encode_in_thread(text, add_special_tokens) == tok.encode(text,
+                                                                            add_special_tokens)

@@ -1,7 +1,8 @@
 """A pod refuses what it cannot serve before spending time on it: a body over
 `--max-body-bytes` is a 413 before it is read (by its Content-Length, or as soon as a
-chunked body grows past the limit), and a text prompt too long to fit the model is a 400
-decided from its length alone, before tokenizing it. The server keeps serving."""
+chunked body grows past the limit), a text prompt too long to fit the model is a 400
+decided from its length alone, before tokenizing it, and `stop` strings past
+`--max-stop-strings` or `--max-stop-bytes` are a 400. The server keeps serving."""
 
 from __future__ import annotations
 
@@ -17,12 +18,16 @@ import pytest
 from kvferry_testing.serve_helpers import MAX_MODEL_LEN, ServerProcess
 
 BODY_LIMIT = 65536
+MAX_STOP_STRINGS = 8
+MAX_STOP_BYTES = 64
 
 
 @pytest.fixture(scope="module")
 def demo(server_factory: Callable[..., ServerProcess]) -> ServerProcess:
     """The demo model (byte-level BPE, so a text's length bounds its tokens), small limit."""
-    return server_factory("demo", "--max-body-bytes", str(BODY_LIMIT))
+    return server_factory("demo", "--max-body-bytes", str(BODY_LIMIT),
+                          "--max-stop-strings", str(MAX_STOP_STRINGS),
+                          "--max-stop-bytes", str(MAX_STOP_BYTES))
 
 
 def raw_exchange(server: ServerProcess, head: bytes, body_parts: Iterable[bytes] = ()
@@ -144,3 +149,36 @@ def longest(tmp_path_factory: pytest.TempPathFactory) -> int:
     spec = json.loads((model_dir / "tokenizer.json").read_text())
     texts = [*spec["model"]["vocab"], *(t["content"] for t in spec["added_tokens"])]
     return max(len(t) for t in texts)
+
+
+# (stop, the words of the 400; None: served). "é" is two bytes of UTF-8.
+STOPS: list[tuple[str | list[str], list[str] | None]] = [
+    (["w"] * MAX_STOP_STRINGS, None),
+    (["w"] * (MAX_STOP_STRINGS + 1), [f"{MAX_STOP_STRINGS + 1} strings",
+                                      f"limit of {MAX_STOP_STRINGS}", "--max-stop-strings"]),
+    (["é" * (MAX_STOP_BYTES // 4)] * 2, None),
+    (["é" * (MAX_STOP_BYTES // 4)] * 2 + ["x"], [f"{MAX_STOP_BYTES + 1} bytes",
+                                                f"limit of {MAX_STOP_BYTES}",
+                                                "--max-stop-bytes"]),
+    ("é" * (MAX_STOP_BYTES // 2 + 1), [f"{MAX_STOP_BYTES + 2} bytes", "--max-stop-bytes"]),
+]
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(("stop", "words"), STOPS, ids=[str(i) for i in range(len(STOPS))])
+def test_stop_strings_past_the_limits_are_a_400(demo: ServerProcess, endpoint: str,
+                                                 stop: str | list[str],
+                                                 words: list[str] | None) -> None:
+    prompt: dict[str, Any] = ({"prompt": "Hello"} if endpoint == "/v1/completions" else
+                              {"messages": [{"role": "user", "content": "Hello"}]})
+    out = httpx.post(f"{demo.url}{endpoint}", timeout=60,
+                     json={"model": "demo", **prompt, "max_tokens": 2, "stop": stop})
+    if words is None:
+        assert out.status_code == 200, out.text
+        return
+    assert out.status_code == 400, out.text
+    error = out.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "stop")
+    for word in words:
+        assert word in error["message"], error["message"]
+    assert_still_serving(demo)

@@ -254,3 +254,13 @@ def test_a_key_and_insecure_together_are_refused() -> None:
     with pytest.raises(ValueError, match="--kv-transfer-insecure and a KV transfer key"):
         kv_transfer_config(args, None, None, None, None, TEST_KEY)
     assert kv_transfer_config(args, None, None, None, None).insecure
+
+
+def test_stop_string_limits_default_to_64_strings_and_16_kib() -> None:
+    base = ["kvferry", "serve", "--model", "demo"]
+    args = parse_serve(base)
+    assert (args.max_stop_strings, args.max_stop_bytes) == (64, 16384)
+    args = parse_serve([*base, "--max-stop-strings", "4", "--max-stop-bytes", "100"])
+    assert (args.max_stop_strings, args.max_stop_bytes) == (4, 100)
+    assert check_supported(parse_serve([*base, "--max-stop-strings", "0"])) == (
+        "--max-stop-strings must be >= 1, got 0")
