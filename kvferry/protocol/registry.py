@@ -34,15 +34,26 @@ class PodRecord:
     num_waiting: int  # requests queued for the scheduler
     kv_cache_usage: float  # fraction of KV blocks in use, 0.0 - 1.0
     updated_at: float  # time.time() of this record
+    # HMAC of every other field with the service's KV transfer key (record_auth.py); None
+    # from a pod without a key.
+    mac: str | None = None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        fields = asdict(self)
+        if self.mac is None:  # what a pod without a key published before records had MACs
+            del fields["mac"]
+        return json.dumps(fields, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> PodRecord:
-        """Parses a registry value; ValueError when it is not a pod record."""
+        """Parses a registry value; ValueError when it is not a pod record.
+
+        The field values are not checked here: see `record_auth.check_record`.
+        """
         try:
             fields = json.loads(raw)
+            if not isinstance(fields, dict):
+                raise TypeError("not a JSON object")
             return cls(**fields)
         except (TypeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a pod record: {exc}") from None
