@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvferry.kvtransfer.auth import TransferKey
+
 POLICIES = ("round-robin", "least-loaded", "prefix-aware")
 POOLS = ("encoder", "prefill", "decode")
 DEFAULT_POLICIES = {"encoder": "least-loaded", "prefill": "prefix-aware", "decode": "least-loaded"}
@@ -52,6 +54,9 @@ class RouterSettings:
     tokenizer: str | None = None
     # On SIGTERM, how long in-flight requests may still run before they are cut.
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    # The service's KV transfer key: pod records and KV events must verify with it. None
+    # (an insecure setup) takes unsigned ones; out-of-range values are refused either way.
+    registry_key: TransferKey | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for pool, policy in self.policies.items():
