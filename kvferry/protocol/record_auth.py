@@ -21,7 +21,6 @@ from dataclasses import replace
 from urllib.parse import urlsplit
 
 from kvferry.kvtransfer.auth import TransferKey
-
 from kvferry.protocol.kv_events import KVEventBatch
 from kvferry.protocol.registry import PodRecord
 

@@ -9,7 +9,6 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
@@ -38,7 +37,7 @@ def metric(router: Proc, name: str, **labels: str) -> float:
     """Sum of the samples of `name` whose labels include `labels`."""
     total = 0.0
     for line in httpx.get(url(router) + "/metrics").text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if line.startswith((name + "{", name + " ")):
             sample, _, value = line.rpartition(" ")
             if all(f'{k}="{v}"' in sample for k, v in labels.items()):
                 total += float(value)
@@ -69,10 +68,10 @@ def complete(router: Proc, prompt: object) -> None:
 
 def record(name: str, target: Proc, **changes: object) -> PodRecord:
     """A decode record as a pod of the service would publish it, sending to `target`."""
-    fields: dict[str, object] = dict(
-        pod=name, service=SERVICE, role="decode", model="fake", url=url(target),
-        block_size=BLOCK_SIZE, num_running=0, num_waiting=0, kv_cache_usage=0.0,
-        updated_at=time.time())
+    fields: dict[str, object] = {
+        "pod": name, "service": SERVICE, "role": "decode", "model": "fake", "url": url(target),
+        "block_size": BLOCK_SIZE, "num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0,
+        "updated_at": time.time()}
     return PodRecord(**{**fields, **changes})  # type: ignore[arg-type]
 
 

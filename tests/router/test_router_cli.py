@@ -18,7 +18,6 @@ from kvferry_testing.operator_factories import EXAMPLES, load_example, random_sp
 
 from kvferry.cli import build_parser
 
-
 # The service's KV transfer key Secret, as the router reads it from its environment.
 STAND_IN_TRANSFER_KEY = "a-stand-in-for-the-services-kv-transfer-key"
 

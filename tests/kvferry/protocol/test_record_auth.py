@@ -23,9 +23,9 @@ NOW = 1_800_000_000.0
 
 
 def record(**changes: object) -> PodRecord:
-    fields: dict[str, object] = dict(
-        pod="pod-a", service="svc", role="decode", model="m", url="http://10.0.0.7:8000",
-        block_size=16, num_running=2, num_waiting=1, kv_cache_usage=0.25, updated_at=NOW)
+    fields: dict[str, object] = {
+        "pod": "pod-a", "service": "svc", "role": "decode", "model": "m", "url": "http://10.0.0.7:8000",
+        "block_size": 16, "num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25, "updated_at": NOW}
     return PodRecord(**{**fields, **changes})  # type: ignore[arg-type]
 
 
