@@ -345,13 +345,16 @@ def test_every_local_pod_gets_the_runs_transfer_key_and_each_run_its_own() -> No
     from kvferry.kvtransfer.auth import KEY_ENV, MIN_KEY_BYTES
     from kvferry.operator.spec import parse_spec
 
-    from kvferry.up import load_service, pod_children, transfer_key_text
+    from kvferry.up import load_service, pod_children, router_child, transfer_key_text
 
     spec = parse_spec(load_service(None))
     first, second = transfer_key_text({}), transfer_key_text({})
     assert first != second and len(first.encode()) >= MIN_KEY_BYTES
     children = pod_children(spec, "redis://127.0.0.1:1", {}, first)
     assert {c.env[KEY_ENV] for c in children} == {first}
+    # The router checks the pods' registry records and KV events with the same key.
+    router = router_child(spec, "redis://127.0.0.1:1", "127.0.0.1", 8000, {}, first)
+    assert router.env[KEY_ENV] == first
     # A key given to `kvferry up` is the pods' (a pod started by hand can join them).
     given = "a-transfer-key-shared-with-other-pods-0123"
     assert transfer_key_text({KEY_ENV: given}) == given
@@ -379,13 +382,14 @@ def test_the_router_and_pods_get_their_drain_before_sigkill(monkeypatch: pytest.
     from kvferry.operator.spec import parse_spec
 
     from kvferry.cli import build_parser
-    from kvferry.up import load_service, pod_children, router_child
+    from kvferry.up import load_service, pod_children, router_child, transfer_key_text
 
     manifest = load_service(None)
     manifest["spec"]["engine"]["drainSeconds"] = 45
     spec = parse_spec(manifest)
     env = dict(render_config_map(spec)["data"])
-    router = router_child(spec, "redis://127.0.0.1:1", "127.0.0.1", 8000, env)
+    router = router_child(spec, "redis://127.0.0.1:1", "127.0.0.1", 8000, env,
+                          transfer_key_text({}))
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     argv = router.args[3:]

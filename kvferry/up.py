@@ -213,14 +213,19 @@ def _set_flag(args: list[str], flag: str, value: str) -> list[str]:
 
 
 def router_child(spec: InferenceServiceSpec, redis_url: str, host: str, port: int,
-                 env: dict[str, str]) -> ChildSpec:
+                 env: dict[str, str], transfer_key: str) -> ChildSpec:
+    """`kvferry router` in front of the pods; `transfer_key` is the pods' key, with which it
+    checks their registry records and KV events."""
+    from kvferry.kvtransfer.auth import KEY_ENV
+
     args = [sys.executable, "-m", "kvferry.cli", "router", "--service", spec.name,
             "--redis", redis_url, "--host", host, "--port", str(port)]
     if spec.model.source_scheme in ("demo", "hostpath"):
         # The weights are on this machine: the router tokenizes text prompts with their
         # tokenizer instead of asking a pod (a hub model would need a download first).
         args += ["--tokenizer", local_model_arg(spec.model.source_scheme, spec.model.source_path)]
-    return ChildSpec(f"{spec.name}-router", args, env=env, stop_timeout_s=stop_timeout_s(spec))
+    return ChildSpec(f"{spec.name}-router", args, env={**env, KEY_ENV: transfer_key},
+                     stop_timeout_s=stop_timeout_s(spec))
 
 
 def stop_timeout_s(spec: InferenceServiceSpec) -> float:
@@ -284,7 +289,6 @@ def run(args: argparse.Namespace) -> int:
 
 async def _up(spec: InferenceServiceSpec, redis_url: str | None, transfer_key: str,
               args: argparse.Namespace) -> int:
-    from kvferry.kvtransfer.auth import KEY_ENV
     from kvferry.operator.render import render_config_map
 
     stopping = asyncio.Event()
@@ -308,9 +312,7 @@ async def _up(spec: InferenceServiceSpec, redis_url: str | None, transfer_key: s
         pods = pod_children(spec, redis_url, env, transfer_key)
         for pod in pods:
             start(pod)
-        # The router passes transfer params through untouched: it needs no KV transfer key.
-        router_env = {**env, KEY_ENV: ""}
-        start(router_child(spec, redis_url, args.host, args.port, router_env))
+        start(router_child(spec, redis_url, args.host, args.port, env, transfer_key))
         code = await _serve(spec, args, len(pods), stopping)
         stopping.set()
         for child in reversed(started):  # router first, Redis last

@@ -12,6 +12,7 @@ from kvferry.operator.labels import (
     scrape_annotations,
     selector_labels,
 )
+from kvferry.operator.render_kv_key import kv_transfer_key_annotations, kv_transfer_key_env
 from kvferry.operator.render_pod import (
     CONFIG_CHECKSUM_ANNOTATION,
     TMP_SIZE_LIMIT,
@@ -60,7 +61,7 @@ def render_router_deployment(spec: InferenceServiceSpec, ctx: PodContext) -> dic
     """
     mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
     volumes: list[dict[str, Any]] = [empty_dir("tmp", TMP_SIZE_LIMIT)]
-    env = list(ctx.redis_env)
+    env = [*ctx.redis_env, kv_transfer_key_env(spec)]
     model_volumes_, model_mounts = model_volumes(spec)
     if spec.model.source_scheme == "pvc":
         volumes += model_volumes_
@@ -80,8 +81,7 @@ def render_router_deployment(spec: InferenceServiceSpec, ctx: PodContext) -> dic
         "securityContext": container_security_context(),
         **http_probes(ROUTER_STARTUP_SECONDS),
     }
-    if env:
-        container["env"] = env
+    container["env"] = env
     resources = resources_manifest(spec.router.resources)
     if resources:
         container["resources"] = resources
@@ -90,7 +90,8 @@ def render_router_deployment(spec: InferenceServiceSpec, ctx: PodContext) -> dic
     pod = {"securityContext": pod_security_context(RUN_AS_USER), "containers": [container],
            "volumes": volumes, "terminationGracePeriodSeconds": termination_grace_seconds(spec)}
     pod_labels = labels(spec.name, "router")
-    annotations = {**scrape_annotations(), CONFIG_CHECKSUM_ANNOTATION: ctx.config_checksum}
+    annotations = {**scrape_annotations(), CONFIG_CHECKSUM_ANNOTATION: ctx.config_checksum,
+                   **kv_transfer_key_annotations(spec)}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -1,8 +1,9 @@
 """`kvferry router`: the ingress of one InferenceService.
 
 The operator renders `kvferry router --service NAME --redis URL --host H --port P
-[--api-key-file F]` with the service's ConfigMap (KVFERRY_ROUTING_<POOL>, ...) and
-REDIS_URL or REDIS_PASSWORD in the environment; all of it is accepted here.
+[--api-key-file F]` with the service's ConfigMap (KVFERRY_ROUTING_<POOL>, ...),
+REDIS_URL or REDIS_PASSWORD and KVFERRY_KV_TRANSFER_KEY in the environment; all of it is
+accepted here.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import logging
 import os
 import sys
 
+from kvferry.kvtransfer.args import read_transfer_key
+from kvferry.kvtransfer.auth import KEY_ENV, MIN_KEY_BYTES
 from kvferry.router.config import (
     DEFAULT_DRAIN_TIMEOUT_S,
     HopTimeouts,
@@ -35,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="accepted API keys, one per line (a mounted Secret)")
     parser.add_argument("--api-key", action="append", default=None,
                         help="an accepted API key (repeatable; default $KVFERRY_API_KEY)")
+    parser.add_argument("--kv-transfer-key-file", default=None, metavar="FILE",
+                        help="the service's KV transfer key (at least "
+                             f"{MIN_KEY_BYTES} bytes; default ${KEY_ENV}): pod records and KV "
+                             "events in Redis that its pods did not sign with it are ignored")
     parser.add_argument("--prefill-threshold", type=int, default=256, metavar="TOKENS",
                         help="skip the prefill hop when fewer prompt tokens than this are not "
                              "cached on the decode pod")
@@ -80,6 +87,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Rou
         uvicorn_log_level=args.uvicorn_log_level, drain_timeout_s=args.drain_timeout,
         tokenizer=args.tokenizer or environ.get("KVFERRY_ROUTER_TOKENIZER") or None,
         http_limits=http_limits_from_args(args),
+        registry_key=read_transfer_key(args, environ),
     )
 
 
@@ -96,6 +104,11 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"kvferry router: error: {exc}", file=sys.stderr)
         return 2
+    if settings.registry_key is None:
+        logging.getLogger(__name__).warning(
+            "no KV transfer key: the router takes any pod record and KV event written to "
+            "Redis, signed or not; give it the pods' key with --kv-transfer-key-file FILE or "
+            "$%s", KEY_ENV)
     from kvferry.router.app import serve
 
     return serve(settings, tokenizer)

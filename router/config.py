@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvferry.http_limits import HttpLimits
+from kvferry.kvtransfer.auth import TransferKey
 
 POLICIES = ("round-robin", "least-loaded", "prefix-aware")
 POOLS = ("encoder", "prefill", "decode")
@@ -56,6 +57,9 @@ class RouterSettings:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     # Header, body and idle timeouts, and the most open client connections.
     http_limits: HttpLimits = field(default_factory=HttpLimits)
+    # The service's KV transfer key: pod records and KV events must verify with it. None
+    # (an insecure setup) takes unsigned ones; out-of-range values are refused either way.
+    registry_key: TransferKey | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for pool, policy in self.policies.items():

@@ -41,6 +41,7 @@ from kvferry.router.prefix_index import PrefixIndex, prompt_block_hashes
 
 from kvferry.protocol.errors import error_body
 from kvferry.protocol.request_checks import check_body
+from kvferry.protocol.record_auth import Rejection
 
 if TYPE_CHECKING:
     from kvferry.engine.frontend.tokenizer import Tokenizer
@@ -96,11 +97,14 @@ class Router:
         self.tokenizer = tokenizer
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS,
                                                  thread_name_prefix="kvferry-tokenize")
-        self.pods = PodDirectory(settings.redis_url, settings.service, settings.registry_poll_s)
-        self.index = PrefixIndex()
-        self.kv_events = KVEventReader(settings.redis_url, settings.service, self.index)
-        self.pods.on_leave.append(self.index.forget_pod)
         self.metrics = RouterMetrics()
+        key = settings.registry_key
+        self.pods = PodDirectory(settings.redis_url, settings.service, settings.registry_poll_s,
+                                 key, self._count_rejected)
+        self.index = PrefixIndex()
+        self.kv_events = KVEventReader(settings.redis_url, settings.service, self.index, key,
+                                       self._count_rejected)
+        self.pods.on_leave.append(self.index.forget_pod)
         self.metrics.kv_events.set_function(lambda: self.kv_events.num_events)
         self.policies = {pool: make_policy(name, self.index)
                          for pool, name in settings.policies.items()}
@@ -111,6 +115,9 @@ class Router:
                                           read_s=timeouts.decode_read_s)
         self._prefill_timeout = HopTimeout(connect_s=timeouts.connect_s,
                                            total_s=timeouts.prefill_s)
+
+    def _count_rejected(self, why: Rejection) -> None:
+        self.metrics.registry_rejected.labels(why.value).inc()
 
     async def start(self) -> None:
         self.pods.start()

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
+from kvferry.kvtransfer.auth import TransferKey
 from kvferry.router.prefix_index import PrefixIndex
 from kvferry.router.redis_follower import RedisFollower
 
 from kvferry.protocol.kv_events import KVEventBatch, kv_events_key
+from kvferry.protocol.record_auth import Rejection, check_batch
 
 logger = logging.getLogger("kvferry.router.kv_events")
 
@@ -21,10 +24,17 @@ class KVEventReader(RedisFollower):
     A pod whose entries name a new engine instance was restarted under the same name (its
     registry key may never have expired): everything its previous process held is dropped
     from the index before the new instance's entries apply, whether the router sees this
-    live or replays the stream later."""
+    live or replays the stream later.
 
-    def __init__(self, redis_url: str, service: str, index: PrefixIndex) -> None:
+    With the service's key, an entry that does not verify is skipped whole: it neither
+    adds nor removes blocks, nor passes for a pod's restart."""
+
+    def __init__(self, redis_url: str, service: str, index: PrefixIndex,
+                 key: TransferKey | None = None,
+                 on_reject: Callable[[Rejection], None] | None = None) -> None:
         super().__init__(redis_url)
+        self._transfer_key = key
+        self._on_reject = on_reject
         self._key = kv_events_key(service)
         self._index = index
         self._last_id = "0"
@@ -37,12 +47,22 @@ class KVEventReader(RedisFollower):
             batch = KVEventBatch.from_fields(fields)
         except ValueError as exc:
             logger.warning("KV events: skipping an entry: %s", exc)
+            self._reject(Rejection.MALFORMED)
+            return
+        why = check_batch(batch, self._transfer_key)
+        if why is not None:
+            logger.warning("KV events: skipping an entry for pod %r (%s)", batch.pod, why.value)
+            self._reject(why)
             return
         if batch.instance is not None:  # engines from before instance ids send none
             self._follow_instance(batch.pod, batch.instance)
         self._index.evicted(batch.pod, batch.evicted)
         self._index.stored(batch.pod, batch.stored)
         self.num_events += 1
+
+    def _reject(self, why: Rejection) -> None:
+        if self._on_reject is not None:
+            self._on_reject(why)
 
     def _follow_instance(self, pod: str, instance: bytes) -> None:
         previous = self._instances.get(pod)

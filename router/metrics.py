@@ -70,6 +70,11 @@ class RouterMetrics:
         self.kv_events = Gauge("kvferry:router_kv_event_batches",
                                "KV event batches (one engine step each) applied to the prefix "
                                "index since the router started", registry=r)
+        self.registry_rejected = Labelled(Counter(
+            "kvferry:router_registry_rejected",
+            "Pod records and KV event batches in Redis the router ignored: malformed, "
+            "unsigned or bad_signature (with the service's key), or out_of_range values",
+            ["reason"], registry=r))
         self.stream_errors = Counter("kvferry:router_stream_errors",
                                      "Answers cut off by a pod failing mid-stream", registry=r)
 

@@ -2,7 +2,8 @@
 
 A pod whose key expired is gone at the next poll. A pod that refused a connection is
 set aside locally for a short while, so requests do not keep trying it until its key
-expires.
+expires. A record that does not verify with the service's key, or holds values no pod
+publishes, is no pod at all (kvferry.protocol.record_auth): it is ignored and counted.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvferry.kvtransfer.auth import TransferKey
 from kvferry.router.redis_follower import RedisFollower
 
+from kvferry.protocol.record_auth import Rejection, check_record
 from kvferry.protocol.registry import PodRecord, pod_key_prefix
 
 logger = logging.getLogger("kvferry.router.pods")
@@ -49,9 +52,18 @@ class Pod:
 class PodDirectory(RedisFollower):
     """Live pods by pool, refreshed from the registry in the background."""
 
-    def __init__(self, redis_url: str, service: str, poll_s: float) -> None:
+    def __init__(self, redis_url: str, service: str, poll_s: float,
+                 key: TransferKey | None = None,
+                 on_reject: Callable[[Rejection], None] | None = None) -> None:
         super().__init__(redis_url)
         self._prefix = pod_key_prefix(service)
+        # Records must verify with it; None (an insecure setup) takes unsigned ones.
+        self._transfer_key = key
+        # Called once per rejected registry value (a metric), not once per poll.
+        self._on_reject = on_reject
+        # Registry key -> the rejected value last seen under it, so that a record rewritten
+        # every refresh is counted per new value, and one left in place is counted once.
+        self._rejected: dict[bytes, bytes] = {}
         self.pause_s = self.retry_s = poll_s
         self._pods: dict[str, Pod] = {}
         # pool -> its pods, rebuilt at each registry read (requests read it, never build it).
@@ -92,17 +104,39 @@ class PodDirectory(RedisFollower):
         keys = [k async for k in self._redis.scan_iter(match=self._prefix + "*", count=1000)]
         values = await self._redis.mget(keys) if keys else []
         records = {}
-        for raw in values:
+        rejected: dict[bytes, bytes] = {}
+        now = time.time()
+        for key, raw in zip(keys, values):
             if raw is None:  # expired between SCAN and MGET
                 continue
-            try:
-                record = PodRecord.from_json(raw)
-            except ValueError as exc:
-                logger.warning("pod registry: ignoring a bad record: %s", exc)
+            parsed = self._parse(key, raw, now)
+            if isinstance(parsed, Rejection):
+                if self._rejected.get(key) != raw:
+                    self._reject(key, parsed)
+                rejected[key] = raw
                 continue
-            records[record.pod] = record
+            records[parsed.pod] = parsed
+        self._rejected = rejected
         self._apply(records)
         self.is_connected = True
+
+    def _parse(self, key: bytes, raw: bytes, now: float) -> PodRecord | Rejection:
+        """The record when the router may use it; else why not."""
+        try:
+            record = PodRecord.from_json(raw)
+        except ValueError:
+            return Rejection.MALFORMED
+        # A record filed under another pod's key would make one pod count twice.
+        if not isinstance(record.pod, str) or key != (self._prefix + record.pod).encode():
+            return Rejection.MALFORMED
+        return check_record(record, self._transfer_key, now) or record
+
+    def _reject(self, key: bytes, why: Rejection) -> None:
+        # The key's name only: the value is whatever its writer chose to put there.
+        logger.warning("pod registry: ignoring %s (%s)", key.decode(errors="replace"),
+                       why.value)
+        if self._on_reject is not None:
+            self._on_reject(why)
 
     def _apply(self, records: dict[str, PodRecord]) -> None:
         for name in self._pods.keys() - records.keys():

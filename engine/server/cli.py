@@ -26,7 +26,7 @@ from kvferry.kvtransfer.args import (
     kv_transfer_config,
     read_transfer_key,
 )
-from kvferry.kvtransfer.auth import KEY_ENV
+from kvferry.kvtransfer.auth import KEY_ENV, TransferKey
 
 from kvferry.http_limits import add_http_limit_arguments, http_limits_from_args
 
@@ -177,15 +177,17 @@ def read_api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | 
     return environ.get("KVFERRY_API_KEY") or None
 
 
-def _registration(args: argparse.Namespace, env: PodEnvironment) -> RegistrationSettings | None:
-    """Where to announce this pod: `--redis` (else $REDIS_URL), under $KVFERRY_SERVICE."""
+def _registration(args: argparse.Namespace, env: PodEnvironment,
+                  key: TransferKey | None) -> RegistrationSettings | None:
+    """Where to announce this pod: `--redis` (else $REDIS_URL), under $KVFERRY_SERVICE;
+    the record and KV events are signed with `key`, the service's KV transfer key."""
     from kvferry.engine.server.registry import registration_settings
 
     redis_url = args.redis or env.redis_url
     if redis_url is None:
         return None
     return registration_settings(redis_url, args.service or env.service, args.role, args.host,
-                                 args.port, env.pod_ip)
+                                 args.port, env.pod_ip, key)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -204,9 +206,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         env = pod_environment(os.environ)
         config = engine_config_from_args(args)
+        transfer_key = read_transfer_key(args, os.environ)
         config.kv_transfer = kv_transfer_config(
             args, env.nixl_port, env.kv_lease_seconds, env.kv_failure_policy,
-            env.pod_ip, read_transfer_key(args, os.environ),
+            env.pod_ip, transfer_key,
         )
         settings = ServerSettings(
             host=args.host, port=args.port, api_key=read_api_key(args, os.environ),
@@ -214,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes, max_stop_strings=args.max_stop_strings,
             max_stop_bytes=args.max_stop_bytes, drain_timeout_s=args.drain_timeout, log_prompts=args.log_prompts,
             uvicorn_log_level=args.uvicorn_log_level,
-            registration=_registration(args, env),
+            registration=_registration(args, env, transfer_key),
             http_limits=http_limits_from_args(args),
         )
     except (OSError, ValueError) as exc:

@@ -10,12 +10,14 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvferry.engine.core.messages import SchedulerStats
+from kvferry.kvtransfer.auth import TransferKey
 from redis.exceptions import RedisError
 
 from kvferry.protocol.kv_events import EVENT_STREAM_MAXLEN, KVEventBatch, kv_events_key
+from kvferry.protocol.record_auth import sign_batch, sign_record
 from kvferry.protocol.registry import REGISTRY_TTL_S, PodRecord, pod_key_prefix
 
 logger = logging.getLogger("kvferry.engine.server.registry")
@@ -35,16 +37,20 @@ class RegistrationSettings:
     role: str
     pod: str
     url: str  # the address other pods and the router reach this server at
+    # The service's KV transfer key: the record and KV events go out signed with it, so a
+    # router with the key can tell them from whatever else is written to Redis.
+    key: TransferKey | None = field(default=None, repr=False)
 
 
 def registration_settings(redis_url: str, service: str | None, role: str, host: str,
-                          port: int, pod_ip: str | None) -> RegistrationSettings:
+                          port: int, pod_ip: str | None,
+                          key: TransferKey | None = None) -> RegistrationSettings:
     """The pod's name is its hostname plus port (unique on one machine under `kvferry up`);
     the advertised address is POD_IP, else the listen host unless it is a wildcard."""
     advertise = pod_ip or (host if host not in ("0.0.0.0", "::", "") else "127.0.0.1")
     pod = os.environ.get("KVFERRY_POD_NAME") or f"{socket.gethostname()}-{port}"
     return RegistrationSettings(redis_url=redis_url, service=service or "default", role=role,
-                                pod=pod, url=f"http://{advertise}:{port}")
+                                pod=pod, url=f"http://{advertise}:{port}", key=key)
 
 
 class PodRegistrar:
@@ -79,13 +85,21 @@ class PodRegistrar:
                                          scheduler.stored_block_hashes))
 
     def record(self) -> PodRecord:
+        """The pod's record now, signed when the pod has the service's key."""
         s = self.settings
-        return PodRecord(pod=s.pod, service=s.service, role=s.role, model=self.model, url=s.url,
-                         block_size=self.block_size, num_running=self.stats.num_running_reqs,
-                         num_waiting=self.stats.num_waiting_reqs,
-                         kv_cache_usage=self.stats.kv_cache_usage, updated_at=time.time(),
-                         max_model_len=self.max_model_len,
-                         max_token_chars=self.max_token_chars)
+        record = PodRecord(pod=s.pod, service=s.service, role=s.role, model=self.model,
+                           url=s.url, block_size=self.block_size,
+                           num_running=self.stats.num_running_reqs,
+                           num_waiting=self.stats.num_waiting_reqs,
+                           kv_cache_usage=self.stats.kv_cache_usage, updated_at=time.time(),
+                           max_model_len=self.max_model_len,
+                           max_token_chars=self.max_token_chars)
+        return record if s.key is None else sign_record(record, s.key)
+
+    def event_batch(self, evicted: list[bytes], stored: list[bytes]) -> KVEventBatch:
+        """One step's KV events as published, signed when the pod has the key."""
+        batch = KVEventBatch(self.settings.pod, self.instance_id.encode(), evicted, stored)
+        return batch if self.settings.key is None else sign_batch(batch, self.settings.key)
 
     async def publish(self) -> None:
         ttl_ms = int(REGISTRY_TTL_S * 1000)
@@ -103,8 +117,7 @@ class PodRegistrar:
         key = kv_events_key(self.settings.service)
         async with self._redis.pipeline(transaction=False) as pipe:
             for evicted, stored in batches:
-                batch = KVEventBatch(self.settings.pod, self.instance_id.encode(), evicted, stored)
-                pipe.xadd(key, batch.to_fields(),  # type: ignore[arg-type]
+                pipe.xadd(key, self.event_batch(evicted, stored).to_fields(),  # type: ignore[arg-type]
                           maxlen=EVENT_STREAM_MAXLEN, approximate=True)
             await pipe.execute()
 

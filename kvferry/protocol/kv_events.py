@@ -1,7 +1,8 @@
 """The KV event stream: which block hashes each engine started and stopped caching.
 
 One Redis stream per service, `kvferry:<service>:kv_events`. Each entry is one batch from
-one engine process: `{pod, instance, evicted, stored}`, each hash list being the 32-byte
+one engine process: `{pod, instance, evicted, stored}` (and `mac` from a pod with the
+service's key: record_auth.py), each hash list being the 32-byte
 hashes (`block_hash`) concatenated. `instance` names the engine process that published the
 entry; each process's first entry holds no hashes and says that this pod's prefix cache
 starts empty (a pod restarted under the same name lost its blocks). A reader applies an
@@ -32,11 +33,17 @@ class KVEventBatch:
     instance: bytes | None
     evicted: list[BlockHash]  # hashes the pod stopped holding, applied first
     stored: list[BlockHash]  # hashes the pod started holding
+    # HMAC of the other fields with the service's KV transfer key; None from a pod without.
+    mac: str | None = None
 
     def to_fields(self) -> dict[str, str | bytes]:
         """The entry as XADD takes it."""
-        return {"pod": self.pod, "instance": self.instance or b"",
-                "evicted": b"".join(self.evicted), "stored": b"".join(self.stored)}
+        fields: dict[str, str | bytes] = {
+            "pod": self.pod, "instance": self.instance or b"",
+            "evicted": b"".join(self.evicted), "stored": b"".join(self.stored)}
+        if self.mac is not None:
+            fields["mac"] = self.mac
+        return fields
 
     @classmethod
     def from_fields(cls, fields: dict[bytes, bytes]) -> KVEventBatch:
@@ -46,7 +53,8 @@ class KVEventBatch:
             raise ValueError("KV event without a pod")
         return cls(pod=pod.decode(errors="replace"), instance=fields.get(b"instance") or None,
                    evicted=split_hashes(fields.get(b"evicted", b"")),
-                   stored=split_hashes(fields.get(b"stored", b"")))
+                   stored=split_hashes(fields.get(b"stored", b"")),
+                   mac=_text(fields.get(b"mac")))
 
 
 def split_hashes(joined: bytes) -> list[BlockHash]:
@@ -55,3 +63,8 @@ def split_hashes(joined: bytes) -> list[BlockHash]:
         raise ValueError(f"KV event hash list of {len(joined)} bytes, not a multiple of "
                          f"{HASH_BYTES}")
     return [joined[i:i + HASH_BYTES] for i in range(0, len(joined), HASH_BYTES)]
+
+
+def _text(value: bytes | None) -> str | None:
+    """A field as text; a MAC that is not ASCII cannot verify, so it reads as a wrong one."""
+    return None if value is None else value.decode("ascii", errors="replace")

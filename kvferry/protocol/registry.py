@@ -39,6 +39,9 @@ class PodRecord:
     # The most characters one token of the pod's tokenizer covers (0: not announced). With
     # max_model_len it proves a text too long from its length alone, before tokenizing.
     max_token_chars: int = 0
+    # HMAC of every other field with the service's KV transfer key (record_auth.py); None
+    # from a pod without a key.
+    mac: str | None = None
 
     def cannot_fit(self, num_chars: int) -> bool:
         """True when a text of `num_chars` characters (or more) needs more tokens than
@@ -49,13 +52,21 @@ class PodRecord:
         return -(-num_chars // self.max_token_chars) > self.max_model_len
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        fields = asdict(self)
+        if self.mac is None:  # what a pod without a key published before records had MACs
+            del fields["mac"]
+        return json.dumps(fields, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> PodRecord:
-        """Parses a registry value; ValueError when it is not a pod record."""
+        """Parses a registry value; ValueError when it is not a pod record.
+
+        The field values are not checked here: see `record_auth.check_record`.
+        """
         try:
             fields = json.loads(raw)
+            if not isinstance(fields, dict):
+                raise TypeError("not a JSON object")
             return cls(**fields)
         except (TypeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a pod record: {exc}") from None

@@ -251,14 +251,12 @@ def test_every_engine_pod_reads_the_services_kv_transfer_key() -> None:
     secret = children["Secret/svc-kv-transfer-key"]
     key = base64.b64decode(secret["data"]["key"])
     assert len(key) >= MIN_KEY_BYTES and "annotations" not in secret["metadata"]
-    for pool in ("encoder", "prefill", "decode"):
-        (container,) = pod_of(children, f"svc-{pool}")["spec"]["containers"]
+    # The router too: it checks the engines' records and KV events in Redis with the key.
+    for component in ("encoder", "prefill", "decode", "router"):
+        (container,) = pod_of(children, f"svc-{component}")["spec"]["containers"]
         env = {e["name"]: e for e in container["env"]}
         assert env[KEY_ENV] == {"name": KEY_ENV, "valueFrom": {"secretKeyRef": {
             "name": "svc-kv-transfer-key", "key": "key"}}}
-    # The router passes params through: it gets no key.
-    (router,) = pod_of(children, "svc-router")["spec"]["containers"]
-    assert KEY_ENV not in {e["name"] for e in router["env"]}
 
 
 def test_a_rotation_annotation_marks_the_key_and_rolls_the_pods() -> None:
@@ -271,7 +269,8 @@ def test_a_rotation_annotation_marks_the_key_and_rolls_the_pods() -> None:
     plain, rotated = rendered(None), rendered("2026-11-26")
     assert rotated["Secret/svc-kv-transfer-key"]["metadata"]["annotations"] == {
         "kvferry.dev/generated-for": "2026-11-26"}
-    annotations = pod_of(rotated, "svc-decode")["metadata"]["annotations"]
-    assert annotations["rotation.kvferry.dev/kv-transfer-key"] == "2026-11-26"
-    assert "rotation.kvferry.dev/kv-transfer-key" not in pod_of(plain, "svc-decode")["metadata"][
-        "annotations"]
+    for component in ("svc-decode", "svc-router"):
+        annotations = pod_of(rotated, component)["metadata"]["annotations"]
+        assert annotations["rotation.kvferry.dev/kv-transfer-key"] == "2026-11-26"
+        assert "rotation.kvferry.dev/kv-transfer-key" not in pod_of(plain, component)[
+            "metadata"]["annotations"]

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvferry.kvtransfer.auth import KEY_ENV, TransferKey
 from kvferry.operator.render import render_children
 from kvferry.operator.render_pools import model_arg
 from kvferry.operator.spec import parse_spec
@@ -16,6 +17,9 @@ from kvferry.router.config import read_api_keys
 from kvferry_testing.operator_factories import EXAMPLES, load_example, random_spec, service
 
 from kvferry.cli import build_parser
+
+# The service's KV transfer key Secret, as the router reads it from its environment.
+STAND_IN_TRANSFER_KEY = "a-stand-in-for-the-services-kv-transfer-key"
 
 
 def router_container(manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -28,9 +32,9 @@ def router_container(manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str
     env: dict[str, str] = {}
     for ref in container.get("envFrom", ()):
         env.update(config_maps.get(ref.get("configMapRef", {}).get("name"), {}))
+    stand_ins = {"REDIS_URL": "redis://:pw@redis:6379/0", KEY_ENV: STAND_IN_TRANSFER_KEY}
     for var in container.get("env", ()):
-        env[var["name"]] = var.get("value", "redis://:pw@redis:6379/0" if var["name"] == "REDIS_URL"
-                                   else "secret")
+        env[var["name"]] = var.get("value", stand_ins.get(var["name"], "secret"))
     return container, env
 
 
@@ -49,6 +53,8 @@ def check_rendered(manifest: dict[str, Any], tmp_path: Path) -> None:
         parsed.api_key_file = str(key_file)
     settings = settings_from_args(parsed, env)
     assert settings.service == spec.name
+    # It checks the pods' registry records with the key the pods sign them with.
+    assert settings.registry_key == TransferKey(STAND_IN_TRANSFER_KEY.encode())
     assert (settings.host, settings.port) == ("0.0.0.0", 8000)
     for pool, policy in spec.router.routing.items():
         assert settings.policies[pool] == policy
@@ -116,3 +122,24 @@ def test_the_drain_timeout_comes_from_the_flag_or_the_pods_drain(
     negative = [*plain, "--drain-timeout", "-1"]
     with pytest.raises(ValueError, match="--drain-timeout"):
         settings_from_args(build_parser(negative).parse_args(negative), env)
+
+
+def test_the_transfer_key_comes_from_the_flag_or_the_environment(tmp_path: Path) -> None:
+    parser = build_parser(["router"])
+    env = {"REDIS_URL": "redis://r:6379/0"}
+    plain = parser.parse_args(["router", "--service", "s"])
+    assert settings_from_args(plain, env).registry_key is None
+    from_env = settings_from_args(plain, {**env, KEY_ENV: STAND_IN_TRANSFER_KEY})
+    assert from_env.registry_key == TransferKey(STAND_IN_TRANSFER_KEY.encode())
+    assert STAND_IN_TRANSFER_KEY not in repr(from_env)
+    key_file = tmp_path / "key"
+    key_file.write_text("a-key-from-a-mounted-file-0123456789abcdef\n")
+    flagged = parser.parse_args(["router", "--service", "s", "--kv-transfer-key-file",
+                                 str(key_file)])
+    # The file wins over the variable, as for the pods.
+    assert settings_from_args(flagged, {**env, KEY_ENV: STAND_IN_TRANSFER_KEY}).registry_key \
+        == TransferKey(b"a-key-from-a-mounted-file-0123456789abcdef")
+    key_file.write_text("short\n")
+    with pytest.raises(ValueError, match=f"--kv-transfer-key-file {key_file}: a KV transfer "
+                                         "key needs at least 32 bytes, this one has 5"):
+        settings_from_args(flagged, env)

@@ -2,7 +2,8 @@
 
 `python -m kvferry_testing.fake_engine --port P [--role R --redis URL --service S]` serves
 /v1/completions and /v1/chat/completions (streamed or not) with a fixed three-token answer,
-registers in the pod registry like `kvferry serve`, and plays a prefill pod's part: given
+registers in the pod registry like `kvferry serve` (its record and KV events signed with
+$KVFERRY_KV_TRANSFER_KEY when set), and plays a prefill pod's part: given
 `kv_transfer_params: {"do_remote_decode": true}` it returns transfer params naming itself.
 `GET /fake/requests` lists the bodies it received; `POST /fake/behaviour` with
 `{"behaviour": "ok" | "refuse" | "invalid" | "cut" | "drop" | "hang" | "hold"}` makes it answer
@@ -177,8 +178,10 @@ async def _main(args: argparse.Namespace) -> None:
     if args.redis:
         from kvferry.engine.server.registry import registration_settings
 
+        from kvferry.kvtransfer.auth import key_from_environment
+
         settings = registration_settings(args.redis, args.service, args.role, args.host,
-                                         args.port, None)
+                                         args.port, None, key_from_environment(os.environ))
         registrar = PodRegistrar(settings, "fake", block_size=BLOCK_SIZE)
         registrar.start()
         app.registrar = registrar
