@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -159,6 +160,12 @@ def test_demo_pods_write_only_to_their_volumes(
         for pod in engines:
             _check_started(pod, "/health")
         _check_started(running["demo-router"], "/health")  # 200 once it sees a decode pod
+        # The request must take the prefill hop: wait until the router has the prefill pod
+        # too (without one it sends the request straight to decode).
+        deadline = time.monotonic() + 60
+        while "joined the prefill pool" not in running["demo-router"].process.log():
+            assert time.monotonic() < deadline, running["demo-router"].process.log()
+            time.sleep(0.1)
 
         answer = httpx.post(f"{running['demo-router'].process.url}/v1/completions", timeout=120,
                             json={"model": "demo", "prompt": LONG_PROMPT, "max_tokens": 4})

@@ -229,25 +229,32 @@ def test_a_client_leaving_a_non_streamed_request_stops_it_on_the_pod(
     assert stopped_in < 2.0
 
 
+def post_while_probing(target: Proc, path: str, body: bytes, probe: Proc, probe_path: str,
+                       timeout_s: float = 30) -> tuple[httpx.Response, list[float]]:
+    """POSTs `body` to `target` on a thread and, until it is answered, GETs `probe_path` on
+    `probe` (each must be 200): the answer, and the seconds each probe took."""
+    answers: list[httpx.Response] = []
+    sender = threading.Thread(target=lambda: answers.append(post(target, path, body)))
+    probe_s: list[float] = []
+    sender.start()
+    while sender.is_alive():
+        started = time.monotonic()
+        assert httpx.get(url(probe) + probe_path, timeout=timeout_s).status_code == 200
+        probe_s.append(time.monotonic() - started)
+        time.sleep(0.02)
+    sender.join()
+    return answers[0], probe_s
+
+
 def test_a_huge_text_prompt_does_not_hold_the_router(service: dict[str, Proc]) -> None:
     router = service["reading"]  # it tokenizes text prompts itself (--tokenizer demo)
     prompt = "w5 " * 2_600_000  # 7.8 MB of text: seconds of tokenizing
     body = json.dumps({"model": "demo", "prompt": prompt, "max_tokens": 2}).encode()
-    answers: list[httpx.Response] = []
-    sender = threading.Thread(
-        target=lambda: answers.append(post(router, "/v1/completions", body)))
-    health_s: list[float] = []
-    sender.start()
-    while sender.is_alive():
-        started = time.monotonic()
-        assert httpx.get(url(router) + "/health", timeout=30).status_code == 200
-        health_s.append(time.monotonic() - started)
-        time.sleep(0.02)
-    sender.join()
+    answer, health_s = post_while_probing(router, "/v1/completions", body, router, "/health")
     assert max(health_s) < 1.0, health_s
     # The pod's own refusal, from the length alone: the prompt cannot fit max_model_len.
-    assert answer_of(answers[0]) == (400, "prompt")
-    assert "maximum model length" in answers[0].json()["error"]["message"]
+    assert answer_of(answer) == (400, "prompt")
+    assert "maximum model length" in answer.json()["error"]["message"]
 
 
 def test_a_huge_text_tokenized_by_the_router_does_not_hold_it(
@@ -262,18 +269,9 @@ def test_a_huge_text_tokenized_by_the_router_does_not_hold_it(
         procs.append(router)
         wait_decode_pool(router)
         body = json.dumps({"model": "fake", "prompt": "w5 " * 2_600_000}).encode()
-        answers: list[httpx.Response] = []
-        sender = threading.Thread(
-            target=lambda: answers.append(post(router, "/v1/completions", body)))
-        health_s: list[float] = []
-        sender.start()
-        while sender.is_alive():
-            started = time.monotonic()
-            assert httpx.get(url(router) + "/health", timeout=60).status_code == 200
-            health_s.append(time.monotonic() - started)
-            time.sleep(0.02)
-        sender.join()
-        assert answers[0].status_code == 200, answers[0].text
+        answer, health_s = post_while_probing(router, "/v1/completions", body, router, "/health",
+                                              timeout_s=60)
+        assert answer.status_code == 200, answer.text
         metrics = httpx.get(url(router) + "/metrics", timeout=10).text
         assert 'kvferry:router_tokenized_prompts_total{where="router"} 1.0' in metrics
         assert max(health_s) < 1.0, health_s
@@ -288,20 +286,10 @@ def test_a_huge_chat_message_does_not_hold_the_pod(service: dict[str, Proc]) -> 
     router, pod = service["reading"], service["pod"]
     messages = [{"role": "user", "content": "w5 " * 2_600_000}]
     body = json.dumps({"model": "demo", "messages": messages, "max_tokens": 2}).encode()
-    answers: list[httpx.Response] = []
-    sender = threading.Thread(
-        target=lambda: answers.append(post(router, "/v1/chat/completions", body)))
-    ping_s: list[float] = []
-    sender.start()
-    while sender.is_alive():
-        started = time.monotonic()
-        assert httpx.get(url(pod) + "/ping", timeout=30).status_code == 200
-        ping_s.append(time.monotonic() - started)
-        time.sleep(0.02)
-    sender.join()
+    answer, ping_s = post_while_probing(router, "/v1/chat/completions", body, pod, "/ping")
     assert max(ping_s) < 1.0, ping_s
-    assert answer_of(answers[0]) == (400, "messages")
-    assert "maximum model length" in answers[0].json()["error"]["message"]
+    assert answer_of(answer) == (400, "messages")
+    assert "maximum model length" in answer.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("field", ["prompt", "messages"])
@@ -311,18 +299,9 @@ def test_a_huge_tokenize_does_not_hold_the_pod(service: dict[str, Proc], field: 
     query = ({"prompt": text} if field == "prompt"
              else {"messages": [{"role": "user", "content": text}]})
     body = json.dumps({"model": "demo", **query}).encode()
-    answers: list[httpx.Response] = []
-    sender = threading.Thread(target=lambda: answers.append(post(pod, "/tokenize", body)))
-    ping_s: list[float] = []
-    sender.start()
-    while sender.is_alive():
-        started = time.monotonic()
-        assert httpx.get(url(pod) + "/ping", timeout=60).status_code == 200
-        ping_s.append(time.monotonic() - started)
-        time.sleep(0.02)
-    sender.join()
-    assert answers[0].status_code == 200, answers[0].text
-    assert answers[0].json()["count"] >= 2_600_000
+    answer, ping_s = post_while_probing(pod, "/tokenize", body, pod, "/ping", timeout_s=60)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["count"] >= 2_600_000
     assert max(ping_s) < 1.0, ping_s
 
 
