@@ -20,12 +20,12 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
     ValueError when Triton cannot run there: not installed, or CPU tensors without the
     interpreter (TRITON_INTERPRET=1 in the environment before the engine starts).
     """
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return "torch"  # decided without importing Triton (slow to import, unused on CPU)
     from kvferry.engine.attention.triton import HAS_TRITON
 
     if name == "auto":
-        return "triton" if device.type == "cuda" and HAS_TRITON else "torch"
-    if name == "torch":
-        return name
+        return "triton" if HAS_TRITON else "torch"
     if name != "triton":
         raise ValueError(f"unknown attention backend {name!r}; supported: auto, torch, triton")
     if not HAS_TRITON:
