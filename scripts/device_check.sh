@@ -28,7 +28,9 @@ export PYTHONPATH="$SITE"
 
 status=0
 # -P: the repository's own folders (kvferry/, operator/) must not shadow the installed package.
-mapfile -t GPU_TESTS < <(grep -rl --include='test_*.py' 'mark.gpu' tests | sort)
+# Test files that mark gpu tests, and folders whose conftest marks them for every test there.
+mapfile -t GPU_TESTS < <( (grep -rl --include='test_*.py' 'mark.gpu' tests;
+    grep -rl --include='conftest.py' 'mark.gpu' tests | xargs -r -n1 dirname) | sort -u)
 timeout 360 python3 -P -m pytest -m gpu -q -p no:cacheprovider "${GPU_TESTS[@]}" 2>&1 \
     | tee "$OUT/pytest_gpu.log" || status=1
 timeout 100 python3 -P benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log" || status=1
