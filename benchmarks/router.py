@@ -31,8 +31,15 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
-from kvferry.kvtransfer.auth import KEY_ENV, generate_key_text  # noqa: E402
-from kvferry_testing.procs import Proc, free_port, fake_engine, redis_server, router_process, wait_http  # noqa: E402,E501
+from kvferry.kvtransfer.auth import KEY_ENV, generate_key_text
+from kvferry_testing.procs import (
+    Proc,
+    fake_engine,
+    free_port,
+    redis_server,
+    router_process,
+    wait_http,
+)
 
 BODY = {"model": "fake", "prompt": "Hello", "max_tokens": 3, "stream": True}
 SERVICE = "bench"
