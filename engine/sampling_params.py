@@ -65,6 +65,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Only these token ids may be sampled (vLLM's allowed_token_ids); None allows all.
     allowed_token_ids: list[int] | None = None
+    # Logprobs of every prompt token (but the first) with this many top alternatives, as
+    # vLLM's prompt_logprobs; None for none. Such a request takes no prefix-cache hit: the
+    # logprobs need every prompt position computed.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.stop = _normalize_stop(self.stop)
@@ -88,6 +92,9 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_NUM_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_NUM_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_NUM_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_NUM_LOGPROBS}], got "
+                             f"{self.prompt_logprobs}")
 
     def _validate_filters(self) -> None:
         if not self.temperature >= 0.0:

@@ -41,8 +41,9 @@ from kvferry.router.policies import Choice, Policy, PrefixAware, RoundRobin, mak
 from kvferry.router.prefix_index import PrefixIndex, prompt_block_hashes
 
 from kvferry.protocol.errors import error_body
-from kvferry.protocol.request_checks import check_body
 from kvferry.protocol.record_auth import Rejection
+from kvferry.protocol.request_checks import check_body, known_fields
+from kvferry.protocol.request_fields import UnknownFields, unknown_names
 
 if TYPE_CHECKING:
     from kvferry.engine.frontend.tokenizer import Tokenizer
@@ -99,6 +100,7 @@ class Router:
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS,
                                                  thread_name_prefix="kvferry-tokenize")
         self.metrics = RouterMetrics()
+        self.unknown_fields = UnknownFields("kvferry router")
         key = settings.registry_key
         self.pods = PodDirectory(settings.redis_url, settings.service, settings.registry_poll_s,
                                  key, self._count_rejected)
@@ -142,6 +144,10 @@ class Router:
         InvalidRequest: the body has text or a field type the engine pods refuse (the router
         refuses it the same way, before tokenizing it or spending a prefill hop on it)."""
         check_body(endpoint, body)
+        unknown = unknown_names(endpoint, body, known_fields(endpoint))
+        if unknown:
+            self.unknown_fields.record(endpoint, unknown)
+            self.metrics.unknown_request_fields.inc(len(unknown))
         if KV_TRANSFER_FIELD in body:
             del body[KV_TRANSFER_FIELD]
             raw = None
@@ -281,6 +287,9 @@ class Router:
         if not _is_one_prompt(endpoint, body):
             self.metrics.prefill_skips.labels("not_one_prompt").inc()
             return None
+        if _scores_the_prompt(body):
+            self.metrics.prefill_skips.labels("prompt_logprobs").inc()
+            return None
         if self._is_short(prompt, None):
             self.metrics.prefill_skips.labels("short_prompt").inc()
             return None
@@ -392,6 +401,14 @@ def _raise_if_refused(answer: HopResponse, raw: bytes) -> None:
     if 400 <= status < 500 and status != 429:
         content_type = answer.response.headers.get("content-type", "application/json")
         raise RequestRefused(Answer(status, {"content-type": content_type}, body=raw))
+
+
+def _scores_the_prompt(body: dict[str, Any]) -> bool:
+    """True for a request that asks for its prompt's logprobs (`prompt_logprobs`, or `echo`
+    with `logprobs`): they need every prompt position computed on the pod that answers."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    return body.get("echo") is True and body.get("logprobs") is not None
 
 
 def _is_one_prompt(endpoint: str, body: dict[str, Any]) -> bool:

@@ -77,6 +77,11 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_transfer_params: dict[str, Any] | None = None
     # Why the request failed (finish_reason ERROR), for the client.
     error: str | None = None
+    # Prompt logprobs this step computed (a prompt_logprobs request's prefill chunk): the
+    # entries of prompt positions `prompt_logprobs_start`, `prompt_logprobs_start + 1`, ...
+    # (position i is the prompt's token i given the tokens before it; i >= 1).
+    new_prompt_logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs_start: int = 0
 
     @property
     def finished(self) -> bool:

@@ -179,6 +179,24 @@ def test_least_loaded_decode_skips_prefill_for_a_prompt_its_pod_holds(
             proc.stop()
 
 
+@pytest.mark.parametrize("asks", [{"prompt_logprobs": 1}, {"echo": True, "logprobs": 0}])
+def test_a_request_scoring_its_prompt_skips_the_prefill_hop(pd: dict[str, Proc],
+                                                            asks: dict) -> None:
+    """Prompt logprobs need every prompt position computed on the answering pod: the long
+    prompt goes straight to a decode pod, counted as a skip."""
+    router = pd["router"]
+    skips = metric(router, "kvferry:router_prefill_skips_total", reason="prompt_logprobs")
+    before = len(received(pd["prefill-0"]))
+    prompt = long_prompt()
+    client(router).completions.create(model="fake", prompt=prompt, max_tokens=2, extra_body=asks)
+    assert len(received(pd["prefill-0"])) == before
+    (pod,) = decoded_by(pd, prompt)
+    body = [b for b in received(pd[pod]) if b.get("prompt") == prompt][0]
+    assert "kv_transfer_params" not in body
+    assert metric(router, "kvferry:router_prefill_skips_total",
+                  reason="prompt_logprobs") == skips + 1
+
+
 def test_streamed_chat_passes_chunk_by_chunk(pd: dict[str, Proc]) -> None:
     stream = client(pd["router"]).chat.completions.create(
         model="fake", messages=[{"role": "user", "content": "hi"}], stream=True)

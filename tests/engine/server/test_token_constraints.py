@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-
 from kvferry_testing.serve_helpers import API_KEY, ServerProcess
 
 # Every token decodes to one word ("w42" is token 42): special tokens stay in the text.
