@@ -47,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "cached on the decode pod the decode policy picks (by the router's "
                              "prefix index, whatever the policy)")
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    parser.add_argument("--max-embeds-body-bytes", type=int, default=32 * 1024 * 1024,
+                        metavar="N",
+                        help="the larger limit of a /v1/completions body that carries "
+                             "prompt_embeds (default 32 MiB; the pods take "
+                             "--max-embeds-body-bytes too)")
     parser.add_argument("--connect-timeout", type=float, default=2.0, metavar="S")
     parser.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S")
     parser.add_argument("--decode-timeout", type=float, default=120.0, metavar="S",
@@ -84,6 +89,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Rou
         service=args.service, redis_url=redis_url, host=args.host, port=args.port,
         api_keys=frozenset(keys), policies=policies_from_env(environ),
         prefill_threshold_tokens=args.prefill_threshold, max_body_bytes=args.max_body_bytes,
+        max_embeds_body_bytes=args.max_embeds_body_bytes,
         timeouts=HopTimeouts(args.connect_timeout, args.prefill_timeout, args.decode_timeout),
         uvicorn_log_level=args.uvicorn_log_level, drain_timeout_s=args.drain_timeout,
         tokenizer=args.tokenizer or environ.get("KVFERRY_ROUTER_TOKENIZER") or None,

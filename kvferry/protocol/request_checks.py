@@ -230,8 +230,10 @@ def check_types(endpoint: str, body: dict[str, Any]) -> None:
     required = REQUIRED_FIELDS[endpoint]
     for name, check in FIELDS[endpoint].items():
         if name not in body:
-            if name == required and _ALTERNATIVES.get(name) not in body:
-                raise InvalidRequest(f"{name}: Field required", param=name)
+            alternative = _ALTERNATIVES.get(name)
+            if name == required and alternative not in body:
+                either = f" (or {alternative})" if alternative else ""
+                raise InvalidRequest(f"{name}: Field required{either}", param=name)
             continue
         problem = check(body[name])
         if problem is None:
