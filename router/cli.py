@@ -25,6 +25,10 @@ from kvferry.router.config import (
 
 from kvferry.http_limits import add_http_limit_arguments, http_limits_from_args
 
+# Sets --max-embeds-body-bytes where a command line cannot be changed (a service's router
+# or pools take it in their `env`).
+EMBEDS_LIMIT_ENV = "KVFERRY_MAX_EMBEDS_BODY_BYTES"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--service", default=os.environ.get("KVFERRY_SERVICE") or None,
@@ -47,11 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "cached on the decode pod the decode policy picks (by the router's "
                              "prefix index, whatever the policy)")
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
-    parser.add_argument("--max-embeds-body-bytes", type=int, default=32 * 1024 * 1024,
-                        metavar="N",
+    # A string default goes through `type`, so a bad $KVFERRY_MAX_EMBEDS_BODY_BYTES is a
+    # usage error.
+    parser.add_argument("--max-embeds-body-bytes", type=int, metavar="N",
+                        default=os.environ.get(EMBEDS_LIMIT_ENV) or str(32 * 1024 * 1024),
                         help="the larger limit of a /v1/completions body that carries "
-                             "prompt_embeds (default 32 MiB; the pods take "
-                             "--max-embeds-body-bytes too)")
+                             f"prompt_embeds (default ${EMBEDS_LIMIT_ENV} or 32 MiB; the "
+                             "pods take --max-embeds-body-bytes too)")
     parser.add_argument("--connect-timeout", type=float, default=2.0, metavar="S")
     parser.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S")
     parser.add_argument("--decode-timeout", type=float, default=120.0, metavar="S",

@@ -69,10 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         metavar="N", help="answer 413 to a request body larger than N bytes, "
                                           "before reading it (default 8 MiB, as the router)")
-    server.add_argument("--max-embeds-body-bytes", type=int,
-                        default=DEFAULT_MAX_EMBEDS_BODY_BYTES, metavar="N",
+    # A string default goes through `type`, so a bad $KVFERRY_MAX_EMBEDS_BODY_BYTES is a
+    # usage error.
+    server.add_argument("--max-embeds-body-bytes", type=int, metavar="N",
+                        default=(os.environ.get("KVFERRY_MAX_EMBEDS_BODY_BYTES")
+                                 or str(DEFAULT_MAX_EMBEDS_BODY_BYTES)),
                         help="with --enable-prompt-embeds: the larger limit of a "
-                             "/v1/completions body that carries prompt_embeds (default 32 MiB)")
+                             "/v1/completions body that carries prompt_embeds (default "
+                             "$KVFERRY_MAX_EMBEDS_BODY_BYTES or 32 MiB)")
     server.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS,
                         metavar="N", help="answer 400 to a request with more than N stop "
                                           f"strings (default {DEFAULT_MAX_STOP_STRINGS})")

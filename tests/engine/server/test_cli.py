@@ -264,3 +264,18 @@ def test_stop_string_limits_default_to_64_strings_and_16_kib() -> None:
     assert (args.max_stop_strings, args.max_stop_bytes) == (4, 100)
     assert check_supported(parse_serve([*base, "--max-stop-strings", "0"])) == (
         "--max-stop-strings must be >= 1, got 0")
+
+
+def test_the_embeds_body_limit_applies_only_with_prompt_embeds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    base = ["kvferry", "serve", "--model", "demo"]
+    assert parse_serve(base).max_embeds_body_bytes == 32 * 1024 * 1024
+    monkeypatch.setenv("KVFERRY_MAX_EMBEDS_BODY_BYTES", "2000000")
+    assert parse_serve(base).max_embeds_body_bytes == 2_000_000
+    assert parse_serve([*base, "--max-embeds-body-bytes", "3000"]).max_embeds_body_bytes == 3000
+    assert check_supported(parse_serve([*base, "--max-embeds-body-bytes", "10"])) == (
+        "--max-embeds-body-bytes must be >= 1024, got 10")
+    # The engine config carries the flag to the core.
+    assert engine_config_from_args(parse_serve([*base, "--enable-prompt-embeds"])) \
+        .model.enable_prompt_embeds
+    assert not engine_config_from_args(parse_serve(base)).model.enable_prompt_embeds
