@@ -113,6 +113,24 @@ def test_mixed_batch_under_chunked_prefill_and_preemption_matches_each_alone(fam
     _assert_no_leaked_blocks(alone)
 
 
+def test_n_completions_of_an_embedding_prompt_share_its_blocks(make_checkpoint) -> None:
+    """The n sequences of one embedding prompt carry its embeddings each and share its
+    prompt blocks; seeded sampling gives each what the same seed gives the token ids."""
+    path = make_checkpoint("LlamaForCausalLM")
+    table = _embedding_table(path)
+    llm = _llm(path)
+    prompt = _prompts(12, [37])[0]
+    params = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=6, ignore_eos=True)
+    by_ids = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    hits = llm.llm_engine.stats.scheduler.prefix_cache_hits
+    by_embeds = llm.generate([{"prompt_embeds": table[prompt]}], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in by_embeds.outputs] == [c.token_ids for c in by_ids.outputs]
+    assert by_embeds.outputs[0].token_ids != by_embeds.outputs[1].token_ids
+    # The second sequence found the first one's two full prompt blocks.
+    assert llm.llm_engine.stats.scheduler.prefix_cache_hits - hits == 32
+    _assert_no_leaked_blocks(llm)
+
+
 def test_penalties_see_no_placeholder_ids(make_checkpoint, monkeypatch) -> None:
     """The sampler gets no prompt ids for an embedding prompt (a repetition penalty would
     otherwise count its placeholders as prompt tokens), and the token prompt's ids as ever."""
