@@ -348,7 +348,10 @@ def _add_passthrough_routes(app: FastAPI, router: Router) -> None:
         except BodyTooLarge:
             return _too_large(router.settings.max_body_bytes)
         except TRANSPORT_ERRORS as exc:
-            router.pods.mark_failed(pod)
+            if isinstance(exc, aiohttp.ClientConnectorError):  # nothing serves there
+                router.pods.drop_unreachable(pod)
+            else:
+                router.pods.mark_failed(pod)
             return error_json(502, f"pod {pod.name} failed: {type(exc).__name__}",
                               code="bad_gateway")
         return Response(content, status_code=response.status,

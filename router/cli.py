@@ -17,6 +17,8 @@ from kvferry.kvtransfer.args import read_transfer_key
 from kvferry.kvtransfer.auth import KEY_ENV, MIN_KEY_BYTES
 from kvferry.router.config import (
     DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_MAX_POD_CONNECTIONS,
+    DEFAULT_POD_GRACE_S,
     HopTimeouts,
     RouterSettings,
     policies_from_env,
@@ -50,6 +52,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S")
     parser.add_argument("--decode-timeout", type=float, default=120.0, metavar="S",
                         help="longest wait for the next chunk of a decode answer")
+    parser.add_argument("--pod-grace", type=float, default=DEFAULT_POD_GRACE_S, metavar="S",
+                        help="keep routing to a pod this long after its registry record went "
+                             "missing (a late refresh is not a dead pod; a pod that refuses "
+                             "a connection, or says it is leaving, is dropped at once) "
+                             f"(default {DEFAULT_POD_GRACE_S:g})")
+    parser.add_argument("--max-pod-connections", type=int, default=DEFAULT_MAX_POD_CONNECTIONS,
+                        metavar="N",
+                        help="the most connections open to one pod; requests beyond wait for "
+                             "one to come free, within --decode-timeout (or --prefill-timeout "
+                             f"for a prefill hop) (default {DEFAULT_MAX_POD_CONNECTIONS})")
     parser.add_argument("--tokenizer", default=None,
                         metavar="DIR",
                         help="the engines' tokenizer (their checkpoint directory, or demo): "
@@ -88,6 +100,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Rou
         tokenizer=args.tokenizer or environ.get("KVFERRY_ROUTER_TOKENIZER") or None,
         http_limits=http_limits_from_args(args),
         registry_key=read_transfer_key(args, environ),
+        pod_grace_s=args.pod_grace, max_pod_connections=args.max_pod_connections,
     )
 
 

@@ -3,7 +3,8 @@
 A hop is retried when its pod refuses the connection, times out before answering, answers
 429/5xx, or drops a stream before its first chunk: in each case the client has seen nothing
 yet. Once a whole answer's headers, or a stream's first chunk, are in, the router is
-committed to that pod.
+committed to that pod. A pod no connection can be opened to leaves the router's view at
+once; one that failed otherwise is set aside for a while.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import aiohttp
 from kvferry.router.config import HopTimeouts
 from kvferry.router.metrics import RouterMetrics
-from kvferry.router.pod_client import HopTimeout, PodClient, PodResponse
+from kvferry.router.pod_client import HopTimeout, PodClient, PodResponse, PodUnreachable
 from kvferry.router.pods import Pod, PodDirectory
 from kvferry.router.policies import Choice
 
@@ -95,7 +96,10 @@ async def _try_pod(client: PodClient, pods: PodDirectory, metrics: RouterMetrics
         response = await client.post(pod.url, path, body, headers, timeout)
     except TRANSPORT_ERRORS as exc:
         pod.num_routed -= 1
-        pods.mark_failed(pod)
+        if isinstance(exc, PodUnreachable):
+            pods.drop_unreachable(pod)
+        else:
+            pods.mark_failed(pod)
         metrics.hop_requests.labels(hop, "unreachable").inc()
         return None, f"pod {pod.name} failed: {type(exc).__name__}: {exc}"
     metrics.hop_latency.labels(hop).observe(time.perf_counter() - started)

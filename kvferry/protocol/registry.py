@@ -2,7 +2,9 @@
 
 Each pod owns one key, `kvferry:<service>:pod:<pod>`, holding a JSON `PodRecord`. The key
 has a short TTL that the pod refreshes, so a pod that dies without a word disappears from
-the router's view within one TTL; a pod that stops cleanly deletes its key at once.
+the registry within one TTL (the router keeps it for a grace period more, unless connecting
+to it fails: a late record is not yet a dead pod). A pod that stops cleanly replaces its
+record by one with `is_leaving` set, which the router drops at once, and lets it expire.
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-# A pod missing for this long is gone; it refreshes several times per TTL so that one slow
-# refresh (a busy event loop) does not drop it.
+# A record not refreshed for this long expires; the pod refreshes it several times per TTL,
+# from a thread that a busy event loop does not hold up.
 REGISTRY_TTL_S = 3.0
 
 
@@ -42,6 +44,8 @@ class PodRecord:
     # HMAC of every other field with the service's KV transfer key (record_auth.py); None
     # from a pod without a key.
     mac: str | None = None
+    # The pod's last record: it is stopping (draining or dead) and takes no new requests.
+    is_leaving: bool = False
 
     def cannot_fit(self, num_chars: int) -> bool:
         """True when a text of `num_chars` characters (or more) needs more tokens than
@@ -55,6 +59,8 @@ class PodRecord:
         fields = asdict(self)
         if self.mac is None:  # what a pod without a key published before records had MACs
             del fields["mac"]
+        if not self.is_leaving:  # a live pod's record reads as it did before the field
+            del fields["is_leaving"]
         return json.dumps(fields, separators=(",", ":"))
 
     @classmethod
