@@ -4,6 +4,8 @@ single server gives, also while pods are killed under it."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import os
@@ -12,10 +14,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import httpx
 import openai
 import pytest
@@ -551,6 +555,52 @@ def test_prefill_and_decode_pools_answer_like_a_single_server_and_pull_the_kv(
     assert counted["prefill_hops"] == len(long) and counted["skips"] == len(short), counted
     assert counted["fallbacks"] == 0 and counted["pull_failures"] == 0, counted
     assert counted["pulled_bytes"] > 0, counted
+
+
+def test_a_burst_of_1000_requests_through_prefill_and_decode_gets_no_503(
+        pd: tuple[Proc, dict[str, str]]) -> None:
+    """A thousand long prompts at once, each on a connection of its own: every pod stays in
+    the router's pools throughout (their loops are busy, their records are refreshed all
+    the same), and every request is answered, through the prefill pod."""
+    proc, pods = pd
+    router = f"http://127.0.0.1:{proc.port}"  # type: ignore[attr-defined]
+    everyone = {"decode": PD_PODS[1:], "prefill": PD_PODS[:1]}
+    before = pd_counts(proc, pods)
+    seen: list[dict[str, list[str]]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.1):
+            seen.append(httpx.get(router + "/health", trust_env=False).json()["pools"])
+
+    async def burst() -> dict[object, int]:
+        connector = aiohttp.TCPConnector(limit=0)
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        body = {"model": SERVICE_NAME, "prompt": SHARED_PREFIX, "max_tokens": 2}
+        async with aiohttp.ClientSession(connector=connector, headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=120)) as session:
+            async def one() -> object:
+                try:
+                    async with session.post(router + "/v1/completions", json=body) as r:
+                        await r.read()
+                        return r.status
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    return type(exc).__name__
+
+            return dict(collections.Counter(await asyncio.gather(*(one() for _ in range(1000)))))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        statuses = asyncio.run(burst())
+    finally:
+        done.set()
+        watcher.join()
+    assert statuses == {200: 1000}
+    assert seen and all(pools == everyone for pools in seen), [p for p in seen if p != everyone]
+    counts = grown(before, pd_counts(proc, pods))
+    assert (counts["prefill_hops"], counts["fallbacks"]) == (1000, 0), counts
+    assert metric(router, "kvferry:router_pods_dropped_total") == 0
 
 
 def child_port(url: str) -> str:

@@ -72,7 +72,7 @@ class PodRegistrar:
     """Keeps this pod's registry key alive while the server serves.
 
     `start` and `stop` run on the server's event loop, and so does `record_stats` (an engine
-    stats listener); everything that talks to Redis runs on the registrar's thread, but the
+    stats listener); everything that talks to Redis runs on the registrar's thread, except the
     goodbye in `stop`, which runs once the thread has ended.
     """
 
