@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Self
 
 import aiohttp
 import httpx
@@ -99,7 +100,7 @@ class PoolWatcher:
         while not self._done.wait(0.1):
             self.seen.append(pools(self._router))
 
-    def __enter__(self) -> PoolWatcher:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 

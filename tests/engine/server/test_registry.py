@@ -5,10 +5,12 @@ lets it expire; a stopping pod leaves a signed leaving record."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Self
 
 import pytest
 import redis
@@ -16,7 +18,6 @@ from kvferry.engine.core.messages import SchedulerStats
 from kvferry.engine.server import registry
 from kvferry.engine.server.registry import PodRegistrar, registration_settings
 from kvferry.kvtransfer.auth import TransferKey
-from kvferry_testing.fixtures import redis_url  # noqa: F401 (fixture)
 
 from kvferry.protocol.kv_events import KVEventBatch, kv_events_key
 from kvferry.protocol.record_auth import Rejection, check_batch, check_record, sign_record
@@ -47,7 +48,7 @@ class Watcher:
         while not self._done.wait(0.05):
             self.samples.append((time.monotonic(), self._store.get(self._key)))
 
-    def __enter__(self) -> Watcher:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -79,7 +80,7 @@ def test_a_pod_whose_loop_is_blocked_for_5_s_stays_registered(redis_url: str,
         pod.record_stats(SchedulerStats(num_running_reqs=3, num_waiting_reqs=1,
                                         stored_block_hashes=[b"h" * 32]), None)
         started = time.monotonic()
-        time.sleep(5.0)  # a handler holding the loop: no task, timer or callback runs
+        time.sleep(5.0)  # noqa: ASYNC251 (a handler holding the loop: nothing else runs)
         ended = time.monotonic()
         await pod.stop()
         return started, ended
@@ -92,7 +93,7 @@ def test_a_pod_whose_loop_is_blocked_for_5_s_stays_registered(redis_url: str,
         assert record is not None and check_record(record, KEY, time.time()) is None
     # Refreshed all along (every 0.5 s), with the load the loop handed over before it blocked.
     stamps = sorted({r.updated_at for r in during if r is not None})
-    assert len(stamps) >= 8 and max(b - a for a, b in zip(stamps, stamps[1:])) < 1.5
+    assert len(stamps) >= 8 and max(b - a for a, b in itertools.pairwise(stamps)) < 1.5
     assert (during[-1].num_running, during[-1].num_waiting) == (3, 1)  # type: ignore[union-attr]
     # The KV events handed over before the block went out during it.
     events = store.xrange(kv_events_key(SERVICE))
@@ -150,7 +151,7 @@ def test_a_loop_wedged_past_the_stall_limit_lets_the_record_expire_until_it_runs
         pod.start()
         await asyncio.sleep(0.3)
         started = time.monotonic()
-        time.sleep(0.5 + REGISTRY_TTL_S + 1.0)  # past the limit, then past the TTL
+        time.sleep(0.5 + REGISTRY_TTL_S + 1.0)  # noqa: ASYNC251 (past the limit and the TTL)
         ended = time.monotonic()
         await asyncio.sleep(1.0)  # the loop beats again
         back = time.monotonic()
