@@ -64,6 +64,17 @@ class Pod:
         return ROLE_POOL.get(self.record.role, "decode")
 
 
+@dataclass
+class Refusal:
+    """A pod dropped because no connection could be opened to it."""
+
+    updated_at: float  # of its last record: read again, it does not bring the pod back
+    dropped_at: float  # time.monotonic() of the drop
+    # Whether a registry read begun after the drop has set `updated_at` (the pod may have
+    # refreshed its record between the router's last read and its death).
+    is_settled: bool = False
+
+
 class PodDirectory(RedisFollower):
     """Live pods by pool, refreshed from the registry in the background."""
 
@@ -87,9 +98,9 @@ class PodDirectory(RedisFollower):
         # Called with (pool, reason) each time a pod leaves the view (a metric).
         self._on_drop = on_drop
         self._pods: dict[str, Pod] = {}
-        # Pods dropped for a failed connection -> the `updated_at` of the record they had:
-        # that record, read again, does not bring them back.
-        self._refused: dict[str, float] = {}
+        # Pods dropped for a failed connection: their record, read again, does not bring
+        # them back; a newer one does.
+        self._refused: dict[str, Refusal] = {}
         # pool -> its pods, rebuilt at each registry read (requests read it, never build it).
         self._by_pool: dict[str, list[Pod]] = {}
         self._failed_until: dict[str, float] = {}
@@ -133,12 +144,13 @@ class PodDirectory(RedisFollower):
         record. A no-op for a pod already dropped (requests in flight on it fail alike)."""
         if self._pods.get(pod.name) is not pod:
             return
-        self._refused[pod.name] = pod.record.updated_at
+        self._refused[pod.name] = Refusal(pod.record.updated_at, time.monotonic())
         self._drop(pod.name, REFUSED)
         self._index_pools()
 
     # ------------------------------------------------------------------ refreshing
     async def refresh(self) -> None:
+        started = time.monotonic()
         keys = [k async for k in self._redis.scan_iter(match=self._prefix + "*", count=1000)]
         values = await self._redis.mget(keys) if keys else []
         records = {}
@@ -155,7 +167,7 @@ class PodDirectory(RedisFollower):
                 continue
             records[parsed.pod] = parsed
         self._rejected = rejected
-        self._apply(records, time.monotonic())
+        self._apply(records, started)
         self.is_connected = True
 
     def _parse(self, key: bytes, raw: bytes, now: float) -> PodRecord | Rejection:
@@ -177,29 +189,39 @@ class PodDirectory(RedisFollower):
             self._on_reject(why)
 
     def _apply(self, records: dict[str, PodRecord], now: float) -> None:
-        """Brings the view up to date with one registry read, made at `now` (monotonic)."""
+        """Brings the view up to date with one registry read, begun at `now` (monotonic)."""
         for name, record in records.items():
             if record.is_leaving:
                 self._refused.pop(name, None)
                 if name in self._pods:
                     self._drop(name, LEFT)
-            elif self._is_still_refused(name, record):
+            elif self._is_still_refused(name, record, now):
                 continue
             else:
                 self._update(name, record)
-        self._refused = {n: t for n, t in self._refused.items() if n in records}
+        self._refused = {n: r for n, r in self._refused.items() if n in records}
         for name in self._pods.keys() - records.keys():
             self._miss(name, now)
         self._index_pools()
         self._failed_until = {n: t for n, t in self._failed_until.items() if t > now}
 
-    def _is_still_refused(self, name: str, record: PodRecord) -> bool:
-        """True while the registry holds the record of a pod dropped for a failed connection
-        (a dead pod's record lives on until it expires); a newer record brings it back."""
-        refused_at = self._refused.get(name)
-        if refused_at is None:
+    def _is_still_refused(self, name: str, record: PodRecord, read_at: float) -> bool:
+        """True while the registry holds the last record of a pod dropped for a failed
+        connection (a dead pod's record lives on until it expires); a newer record, written
+        since, brings it back.
+
+        The record the router had at the drop may not be the pod's last: the pod can have
+        refreshed it after that read and then died. So the first read begun after the drop
+        settles which record is the last one, and only a record other than that is newer.
+        """
+        refusal = self._refused.get(name)
+        if refusal is None:
             return False
-        if record.updated_at == refused_at:
+        if not refusal.is_settled:
+            if read_at > refusal.dropped_at:
+                refusal.updated_at, refusal.is_settled = record.updated_at, True
+            return True
+        if record.updated_at == refusal.updated_at:
             return True
         del self._refused[name]
         return False

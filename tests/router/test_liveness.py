@@ -247,3 +247,51 @@ def test_1000_concurrent_requests_open_no_more_than_the_cap_of_connections_per_p
     # The cap, and used: a thousand requests at once need every connection it allows.
     assert all(1 < n <= cap for n in opened), opened
     assert metric(router, "kvferry:router_hops_waiting_for_connection") == 0
+
+
+def test_a_refused_pods_last_refresh_read_after_the_drop_does_not_bring_it_back(
+        redis_url: str, store: redis.Redis) -> None:
+    """The pod refreshed its record after the router's last read, then died: the record the
+    router reads after the drop is newer than the one it dropped, yet still the dead pod's.
+    Only a record written after that brings the pod back."""
+    from kvferry.router.pods import PodDirectory
+
+    from kvferry.protocol.registry import PodRecord
+
+    key = pod_key_prefix("race") + "racy-0"
+
+    def publish(updated_at: float) -> None:
+        record = PodRecord(pod="racy-0", service="race", role="decode", model="m",
+                           url="http://127.0.0.1:1", block_size=16, num_running=0,
+                           num_waiting=0, kv_cache_usage=0.0, updated_at=updated_at)
+        store.set(key, record.to_json(), px=int(REGISTRY_TTL_S * 1000))
+
+    async def main() -> list[dict[str, list[str]]]:
+        dropped: list[tuple[str, str]] = []
+        pods = PodDirectory(redis_url, "race", 0.25,
+                            on_drop=lambda pool, why: dropped.append((pool, why)))
+        seen = []
+        try:
+            now = time.time()
+            publish(now)
+            await pods.refresh()
+            seen.append(pods.pools())
+            publish(now + 0.5)  # its last refresh, which the router has not read
+            pod = pods.get("racy-0")
+            assert pod is not None
+            pods.drop_unreachable(pod)
+            pods.drop_unreachable(pod)  # a second request failing on it changes nothing
+            seen.append(pods.pools())
+            for _ in range(2):
+                await pods.refresh()
+                seen.append(pods.pools())
+            publish(now + 1.0)  # alive after all (or back): a record written since
+            await pods.refresh()
+            seen.append(pods.pools())
+        finally:
+            await pods.stop()
+        assert dropped == [("decode", "refused")]
+        return seen
+
+    live = {"decode": ["racy-0"]}
+    assert asyncio.run(main()) == [live, {}, {}, {}, live]
