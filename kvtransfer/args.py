@@ -70,15 +70,6 @@ def add_kv_transfer_arguments(parser: argparse.ArgumentParser) -> None:
                             "(a trusted network only; a warning is logged)")
 
 
-def _log_kv_host(kv_host: KVHost, devices: str) -> None:
-    logger.info("KV transfer listeners on %s (from %s), UCX network devices %s",
-                kv_host.address, kv_host.source, devices)
-    if kv_host.source == "the default":
-        logger.warning("--host is a wildcard and $POD_IP is unset: the KV transfer listeners "
-                       "bind %s, so pods on other machines cannot pull from this one; give "
-                       "--kv-host the address they reach this machine at", kv_host.address)
-
-
 def read_transfer_key(args: argparse.Namespace, environ: Mapping[str, str]) -> TransferKey | None:
     """--kv-transfer-key-file, else $KVFERRY_KV_TRANSFER_KEY, else None.
 
@@ -176,3 +167,12 @@ def kv_transfer_config(
         insecure=args.kv_transfer_insecure,
         role=args.role,
     )
+
+
+def _log_kv_host(kv_host: KVHost, devices: str) -> None:
+    logger.info("KV transfer listeners on %s (from %s), UCX network devices %s",
+                kv_host.address, kv_host.source, devices)
+    if kv_host.source == "the default":
+        logger.warning("--host is a wildcard and $POD_IP is unset: the KV transfer listeners "
+                       "bind %s, so pods on other machines cannot pull from this one; give "
+                       "--kv-host the address they reach this machine at", kv_host.address)
