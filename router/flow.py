@@ -5,7 +5,8 @@ with `kv_transfer_params: {"do_remote_decode": true}`, one token and no streamin
 params it returns go with the original request to a decode pod, which pulls the KV blocks
 and answers (its answer holds the first token once and the whole request's usage). The
 prefill hop is skipped when the decode pod would compute only a short uncached part of
-the prompt itself, for requests that are not one prompt with n == 1 (a prefill pod hands
+the prompt itself (the prompt is short, or the decode pod the decode policy picks holds all
+but a short tail of it by the router's prefix index, whatever that policy), for requests that are not one prompt with n == 1 (a prefill pod hands
 over the KV of one sequence), and when the prefill pool is down or fails (counted as a
 fallback). A prefill pod that refuses the request itself (a 4xx other than 429) ends it:
 the client gets that answer, as the decode pod would give it.
@@ -36,7 +37,7 @@ from kvferry.router.kv_events import KVEventReader
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.pod_client import HopTimeout, PodClient
 from kvferry.router.pods import Pod, PodDirectory
-from kvferry.router.policies import Choice, Policy, PrefixAware, make_policy
+from kvferry.router.policies import Choice, Policy, PrefixAware, RoundRobin, make_policy
 from kvferry.router.prefix_index import PrefixIndex, prompt_block_hashes
 
 from kvferry.protocol.errors import error_body
@@ -121,8 +122,9 @@ class Router:
 
     async def start(self) -> None:
         self.pods.start()
-        if "prefix-aware" in self.settings.policies.values():
-            self.kv_events.start()
+        # The prefix index serves prefix-aware policies and, whatever the policies, the
+        # prefill skip for a prompt the chosen decode pod holds already.
+        self.kv_events.start()
 
     async def stop(self) -> None:
         await self.kv_events.stop()
@@ -155,21 +157,32 @@ class Router:
             body = {**body, KV_TRANSFER_FIELD: params}
             raw = None
             # Loads seen before the prefill hop are stale by now (requests that came
-            # meanwhile saw the same ones): the decode pod is chosen when the hop goes.
-            decode = None
+            # meanwhile saw the same ones): the decode pod is chosen when the hop goes,
+            # except by round robin, whose turn was taken already and holds.
+            if not isinstance(self._policy("decode"), RoundRobin):
+                decode = None
         payload = raw if raw is not None else _dumps(body)
         return await self._decode(endpoint, payload, prompt, decode, request_id)
 
     # ------------------------------------------------------------------ choosing pods
     def _cache_choice(self, prompt: Prompt) -> Choice | None:
-        """The decode pod a prefix-aware policy picks for the prompt, whose cached blocks may
-        make the prefill hop unneeded; None for other policies (they predict no hits, and
-        choose when the decode hop goes) or an empty pool. Counted as chosen only if used."""
+        """The decode pod the decode policy picks for the prompt, with the prompt tokens the
+        prefix index says it holds already (which may make the prefill hop unneeded); None
+        for an empty pool or a prompt without block hashes. Counted as chosen only if used.
+
+        Whatever the policy, the skip is judged on the pod the request would go to: a
+        prefix-aware policy predicts its own hits; for the others the index is asked about
+        the pod they picked."""
         policy = self._policy("decode")
         pods = self.pods.pool("decode")
-        if not isinstance(policy, PrefixAware) or not pods:
+        if not pods or not prompt.block_hashes:
             return None
-        return policy.choose(pods, prompt.block_hashes)
+        choice = policy.choose(pods, prompt.block_hashes)
+        if isinstance(policy, PrefixAware):
+            return choice
+        pod = choice.pod
+        held = self.index.num_leading_blocks(prompt.block_hashes, [pod.name])[pod.name]
+        return Choice(pod, held * pod.record.block_size)
 
     def _policy(self, pool: str) -> Policy:
         return self.policies.get(pool) or self.policies["decode"]
@@ -268,8 +281,11 @@ class Router:
         if not _is_one_prompt(endpoint, body):
             self.metrics.prefill_skips.labels("not_one_prompt").inc()
             return None
-        if self._is_short(prompt, decode):
+        if self._is_short(prompt, None):
             self.metrics.prefill_skips.labels("short_prompt").inc()
+            return None
+        if self._is_short(prompt, decode):
+            self.metrics.prefill_skips.labels("cached_on_decode").inc()
             return None
         try:
             return await self._prefill(endpoint, body, prompt, request_id)

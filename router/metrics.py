@@ -53,8 +53,9 @@ class RouterMetrics:
             ["reason"], registry=r))
         self.prefill_skips = Labelled(Counter(
             "kvferry:router_prefill_skips",
-            "Requests sent straight to decode by choice: their uncached prompt part was below "
-            "the threshold (short_prompt), or they are not one prompt with n == 1 "
+            "Requests sent straight to decode by choice: their prompt was below the threshold "
+            "(short_prompt), the decode pod picked holds all of it but a tail below the "
+            "threshold (cached_on_decode), or they are not one prompt with n == 1 "
             "(not_one_prompt: the prefill pod hands over one sequence's KV)",
             ["reason"], registry=r))
         self.pod_chosen = Labelled(Counter(

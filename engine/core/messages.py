@@ -152,6 +152,14 @@ class EngineLimits(msgspec.Struct, array_like=True, frozen=True):
                     f"stop_token_ids[{index}] = {token_id} is outside the vocabulary "
                     f"[0, {self.vocab_size})"
                 )
+        for token_id in params.logit_bias or ():
+            if token_id >= self.vocab_size:
+                raise ValueError(f"logit_bias names token {token_id}, outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        for index, token_id in enumerate(params.allowed_token_ids or ()):
+            if token_id >= self.vocab_size:
+                raise ValueError(f"allowed_token_ids[{index}] = {token_id} is outside the "
+                                 f"vocabulary [0, {self.vocab_size})")
 
 
 class EngineCoreInfo(msgspec.Struct, array_like=True, frozen=True):

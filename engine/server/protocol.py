@@ -104,6 +104,10 @@ class SamplingRequest(RequestBody):
     # Lower runs earlier when the server schedules by priority.
     priority: Int64 = 0
     user: str | None = None
+    # OpenAI's: token id (a JSON object key, so a string) -> bias in [-100, 100].
+    logit_bias: dict[str, Number] | None = None
+    # vLLM's: only these token ids may be sampled.
+    allowed_token_ids: list[Int64] | None = None
     # Disaggregated serving, vLLM's shape: {"do_remote_decode": true} on a prefill pod;
     # the params a prefill returned on a decode pod (see kvferry.kvtransfer.params).
     kv_transfer_params: dict[str, Any] | None = None
@@ -139,9 +143,24 @@ class SamplingRequest(RequestBody):
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                logit_bias=self._logit_bias(),
+                allowed_token_ids=self.allowed_token_ids,
             )
         except ValueError as exc:
             raise bad_request(str(exc), param=param_of_message(str(exc))) from None
+
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """The bias with integer token ids; a key that is not one is a 400."""
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()):
+                raise bad_request(f"logit_bias keys must be token ids (decimal integers), got "
+                                  f"{key[:40]!r}", param="logit_bias")
+            bias[int(key)] = value
+        return bias
 
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))

@@ -188,6 +188,8 @@ _SAMPLING_FIELDS: dict[str, TypeCheck] = {
     "stream_options": _nullable(_object),
     "priority": _int,
     "user": _nullable(_str),
+    "logit_bias": _nullable(_object),
+    "allowed_token_ids": _nullable(_token_ids),
 }
 
 COMPLETION_FIELDS: Mapping[str, TypeCheck] = {
