@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import yaml
 from kvferry.router.config import RouterSettings
 from kvferry.router.prefix_index import prompt_block_hashes
 from kvferry_testing.procs import Proc, free_port, wait_http
+from kvferry_testing.sockets import BoundSocket, listeners_of_tree, non_loopback, process_tree
 
 from kvferry.protocol.kv_events import split_hashes
 
@@ -561,6 +563,55 @@ def test_prefill_and_decode_pools_answer_like_a_single_server_and_pull_the_kv(
 
 def child_port(url: str) -> str:
     return url.rsplit(":", 1)[1]
+
+
+# A long prompt that shares no prefix block with the other tests' prompts.
+FRESH_LONG_PROMPT = " ".join(["the town and the river of the history"] * 24)
+
+
+def engine_cores(root: int) -> list[int]:
+    """The engine-core processes under `root` (each pod's child)."""
+    cores = []
+    for pid in process_tree(root):
+        with contextlib.suppress(OSError):
+            if b"core_process" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                cores.append(pid)
+    return cores
+
+
+def assert_loopback_only(proc: Proc, pods: dict[str, str]) -> list[BoundSocket]:
+    """Every listener of every process `kvferry up` runs is on loopback, and the socket
+    table read shows each of them: the router's and each pod's HTTP port, and in each engine
+    core its KV side channel and UCX's listeners."""
+    listeners = listeners_of_tree(proc.proc.pid)
+    assert non_loopback(listeners) == []
+    ports = {s.port for s in listeners}
+    assert proc.port in ports, listeners  # type: ignore[attr-defined]
+    assert all(int(child_port(url)) in ports for url in pods.values()), listeners
+    cores = engine_cores(proc.proc.pid)
+    assert len(cores) == len(pods), cores
+    for pid in cores:
+        assert len([s for s in listeners if s.pid == pid]) >= 2, (pid, listeners)
+    return listeners
+
+
+def test_every_process_of_a_local_service_listens_on_loopback_only(
+        up: tuple[Proc, dict[str, str]]) -> None:
+    listeners = assert_loopback_only(*up)
+    # Its own Redis, too.
+    redis_url = re.search(r"registered as \S+ \(\S+\) in (redis://\S+)", up[0].log()).group(1)
+    assert urllib.parse.urlsplit(redis_url).port in {s.port for s in listeners}, listeners
+
+
+def test_prefill_and_decode_pods_listen_on_loopback_only_after_a_pull(
+        pd: tuple[Proc, dict[str, str]]) -> None:
+    proc, pods = pd
+    before = pd_counts(proc, pods)
+    # Through prefill then decode: UCX has connected and read in two engine cores.
+    assert ask(client(proc.port), FRESH_LONG_PROMPT, stream=False)[0]  # type: ignore[attr-defined]
+    counted = grown(before, pd_counts(proc, pods))
+    assert counted["prefill_hops"] == 1 and counted["pulled_bytes"] > 0, counted
+    assert_loopback_only(proc, pods)
 
 
 def kill_pod(proc: Proc, pods: dict[str, str], name: str) -> int:
