@@ -20,7 +20,7 @@ from kvferry.engine.server.registry import PodRegistrar, registration_settings
 from kvferry.kvtransfer.auth import TransferKey
 
 from kvferry.protocol.kv_events import KVEventBatch, kv_events_key
-from kvferry.protocol.record_auth import Rejection, check_batch, check_record, sign_record
+from kvferry.protocol.record_auth import check_batch, check_record
 from kvferry.protocol.registry import REGISTRY_TTL_S, PodRecord
 
 KEY = TransferKey(b"k" * 32)
@@ -122,23 +122,6 @@ def test_a_stopping_pod_leaves_a_signed_leaving_record_that_expires(
     # Written once, by `stop`: the thread is over and refreshes nothing after it.
     time.sleep(0.6)
     assert store.get(pod.key) == raw
-
-
-def test_a_live_record_reads_and_verifies_as_before_the_leaving_field() -> None:
-    """A live pod's record has no `is_leaving` in its JSON or its MAC, so routers and pods
-    of the previous version verify each other's live records; a leaving record's MAC
-    covers the flag (flipping it breaks the MAC)."""
-    record = PodRecord(pod="p", service="s", role="decode", model="m", url="http://h:1",
-                       block_size=16, num_running=0, num_waiting=0, kv_cache_usage=0.0,
-                       updated_at=1.0)
-    assert "is_leaving" not in record.to_json()
-    assert sign_record(record, KEY).mac == KEY.mac(
-        b"kvferry-pod-record/v1", "p", "s", "decode", "m", "http://h:1", 16, 0, 0, 0.0, 1.0, 0, 0)
-    assert check_record(sign_record(record, KEY), KEY, 2.0) is None
-    leaving = sign_record(replace(record, is_leaving=True), KEY)
-    assert check_record(leaving, KEY, 2.0) is None
-    assert check_record(replace(leaving, is_leaving=False), KEY, 2.0) is Rejection.BAD_SIGNATURE
-    assert check_record(replace(leaving, is_leaving=1), KEY, 2.0) is Rejection.OUT_OF_RANGE
 
 
 def test_a_loop_wedged_past_the_stall_limit_lets_the_record_expire_until_it_runs_again(
