@@ -215,6 +215,21 @@ def test_a_pod_that_refuses_connections_is_dropped_at_once_until_a_newer_record(
     assert connections(back) == 1
 
 
+def test_a_pod_refused_on_a_relayed_endpoint_is_dropped_too(
+        tmp_path: Path, redis_url: str, procs: dict[str, Proc]) -> None:
+    procs["pod"] = fake_engine(tmp_path, redis_url, "relayed", "decode", "models-0")
+    procs["router"] = router = router_process(tmp_path, redis_url, "relayed")
+    wait_pools(router, {"decode": ["models-0"]})
+    procs["pod"].proc.kill()
+    procs["pod"].proc.wait(10)
+
+    assert httpx.get(url(router) + "/v1/models").status_code == 502
+    assert pools(router) == {}
+    assert metric(router, "kvferry:router_pods_dropped_total", pool="decode",
+                  reason="refused") == 1
+    assert httpx.get(url(router) + "/v1/models").status_code == 503  # no pod left to ask
+
+
 def test_a_pod_that_says_it_leaves_is_dropped_at_once(
         tmp_path: Path, redis_url: str, procs: dict[str, Proc], store: redis.Redis) -> None:
     for name in ("leaving-0", "staying-1"):
