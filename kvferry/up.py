@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import yaml
 
+from kvferry.protocol.registry import REDIS_URL_ENV, redis_url_from_environment
 from kvferry.supervisor import Child, ChildSpec, GaveUp, http_probe, tcp_probe
 
 if TYPE_CHECKING:
@@ -47,8 +48,6 @@ DEMO_SERVICE: dict[str, Any] = {
 # What a stopping child gets beyond its drain (`spec.engine.drainSeconds`, which the router
 # and the pods both read as $KVFERRY_DRAIN_SECONDS) to close its connections and exit.
 STOP_MARGIN_S = 10.0
-# Where a local run finds the Redis URL that a cluster keeps in `spec.redis.urlSecret`.
-REDIS_URL_ENV = "KVFERRY_REDIS_URL"
 # Where a local run finds the router's API key that a cluster keeps in
 # `spec.router.apiKeySecret` (the router reads it from there too).
 API_KEY_ENV = "KVFERRY_API_KEY"
@@ -63,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="the router's port")
     parser.add_argument("--once", default=None, metavar="PROMPT",
                         help="start, answer one completion of PROMPT through the router, "
-                             "print it and stop")
+                             "print it and stop (default: serve until Ctrl-C)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens of the --once answer")
     parser.add_argument("--startup-timeout", type=float, default=600.0, metavar="S",
                         help="longest wait for every pod to be ready")
@@ -93,7 +92,7 @@ def external_redis_url(spec: InferenceServiceSpec, environ: dict[str, str]) -> s
     ref = spec.redis.url_secret
     if ref is None:
         return spec.redis.url
-    url = environ.get(REDIS_URL_ENV, "").strip()
+    url = redis_url_from_environment(environ)
     if not url:
         raise NoRedisURL(
             f"spec.redis.urlSecret names key {ref.key!r} of Secret {ref.name!r}, which a local "
