@@ -51,6 +51,8 @@ STOP_MARGIN_S = 10.0
 # Where a local run finds the router's API key that a cluster keeps in
 # `spec.router.apiKeySecret` (the router reads it from there too).
 API_KEY_ENV = "KVFERRY_API_KEY"
+# The router's port unless --port says, except for --once, which needs no known port.
+DEFAULT_PORT = 8000
 # Roles the engine does not serve yet; their pods run `both` (the router proxies to them).
 UNSERVED_ROLES = ("encoder",)
 
@@ -59,7 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--file", default=None, metavar="SERVICE_YAML",
                         help="an InferenceService manifest (default: the demo service)")
     parser.add_argument("--host", default="127.0.0.1", help="the router's listen address")
-    parser.add_argument("--port", type=int, default=8000, help="the router's port")
+    parser.add_argument("--port", type=int, default=None,
+                        help=f"the router's port (default: {DEFAULT_PORT}; with --once, a free "
+                             "one)")
     parser.add_argument("--once", default=None, metavar="PROMPT",
                         help="start, answer one completion of PROMPT through the router, "
                              "print it and stop (default: serve until Ctrl-C)")
@@ -323,6 +327,8 @@ def run(args: argparse.Namespace) -> int:
         spec = parse_spec(load_service(args.file))
         redis_url = external_redis_url(spec, dict(os.environ))
         check_api_key(spec, dict(os.environ))
+        if args.port is None:
+            args.port = free_port() if args.once is not None else DEFAULT_PORT
         check_port_free(args.host, args.port)
         transfer_key = transfer_key_text(dict(os.environ))
         model = check_model_source(spec)

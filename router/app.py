@@ -441,7 +441,9 @@ class RouterServer(CleanExitServer):
         self._drain_log: asyncio.Task[None] | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.should_exit:
+        if not self.should_exit and not self.gate.in_flight:
+            logger.info("%s: no request in flight; stopping", signal.Signals(sig).name)
+        elif not self.should_exit:
             logger.info("%s: draining %s in flight for up to %g s; new connections are "
                         "refused", signal.Signals(sig).name, self.gate.describe_in_flight(),
                         self.drain_timeout_s)

@@ -61,7 +61,7 @@ def test_help_renders_the_defaults_values() -> None:
     done = _kvferry("up", "--help")
     assert done.returncode == 0, done.stderr
     text = " ".join(done.stdout.split())
-    assert "the router's port (default: 8000)" in text
+    assert "the router's port (default: 8000; with --once, a free one)" in text
     assert "longest wait for every pod to be ready (default: 600.0)" in text
 
 
