@@ -89,9 +89,10 @@ def test_the_first_command_runs_as_written_on_a_fresh_clone(tmp_path: Path) -> N
     assert done.returncode == 0, f"{done.stdout[-6000:]}\n{done.stderr[-6000:]}"
     assert re.search(r"^'Hello' -> '.+'$", done.stdout, flags=re.MULTILINE), done.stdout[-6000:]
     assert "Traceback" not in done.stdout + done.stderr
+    code = ("import importlib.util as u, sys\n"
+            "print(sorted(m for m in sys.argv[1:] if u.find_spec(m)))")
     found = subprocess.run(
-        [str(venv / "bin" / "python"), "-c",
-         "import importlib.util as u, sys; print(sorted(m for m in sys.argv[1:] if u.find_spec(m)))",
+        [str(venv / "bin" / "python"), "-c", code,
          "transformers", "pytest", "kopf", "kmock", "openai", "kvferry", "nixl_cu12", "celpy"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert found.stdout.strip() == "['celpy', 'kvferry', 'nixl_cu12']", found
