@@ -607,7 +607,10 @@ def pd_counts(proc: Proc, pods: dict[str, str]) -> dict[str, float]:
     return {
         "prefill_hops": metric(router, "kvferry:router_hop_requests_total", hop="prefill",
                                outcome="200"),
-        "skips": metric(router, "kvferry:router_prefill_skips_total"),
+        "short_skips": metric(router, "kvferry:router_prefill_skips_total",
+                              reason="short_prompt"),
+        "cached_skips": metric(router, "kvferry:router_prefill_skips_total",
+                               reason="cached_on_decode"),
         "fallbacks": metric(router, "kvferry:router_prefill_fallbacks_total"),
         "pulled_bytes": sum(metric(u, "kvferry:kv_transfer_bytes_total") for u in decodes),
         "pull_failures": sum(metric(u, "kvferry:kv_transfer_failures_total") for u in decodes),
@@ -631,7 +634,10 @@ def test_prefill_and_decode_pools_answer_like_a_single_server_and_pull_the_kv(
     prompt_tokens = [usage[0] for _, usage in routed]
     short, long = prompt_tokens[0:2] + prompt_tokens[4:6], prompt_tokens[2:4] + prompt_tokens[6:8]
     assert max(short) < PREFILL_THRESHOLD < min(long), prompt_tokens
-    assert counted["prefill_hops"] == len(long) and counted["skips"] == len(short), counted
+    assert counted["short_skips"] == len(short), counted
+    # Each long prompt goes twice; the second time its decode pod may hold it already.
+    assert counted["prefill_hops"] + counted["cached_skips"] == len(long), counted
+    assert counted["prefill_hops"] >= len(long) / 2, counted
     assert counted["fallbacks"] == 0 and counted["pull_failures"] == 0, counted
     assert counted["pulled_bytes"] > 0, counted
 

@@ -340,8 +340,8 @@ class Scheduler:
         # A hit never covers the last token (see KVCacheManager.get_computed_blocks).
         if not manager.enable_caching or (
             num_hit_blocks >= (request.num_tokens - 1) // manager.block_size
-        ):
-            return False
+        ) or request.sampling_params.prompt_logprobs is not None:
+            return False  # nothing more to hit (prompt logprobs take no hit at all)
         return budget.computes_block(request.block_hashes[num_hit_blocks])
 
     def _make_output(
@@ -416,7 +416,27 @@ class Scheduler:
             for output in outputs:
                 if by_req[output.req_id]:
                     output.new_logprobs = [by_req[output.req_id]]
+        if runner_output.prompt_logprobs:
+            self._attach_prompt_logprobs(outputs, runner_output.prompt_logprobs)
         return outputs
+
+    def _attach_prompt_logprobs(
+        self, outputs: list[EngineCoreOutput],
+        prompt_logprobs: dict[str, tuple[int, list[list[tuple[int, float, int]]]]],
+    ) -> None:
+        """Puts each request's prompt logprobs on its output, or on an output of their own
+        for a request that sampled nothing (a prefill chunk before the last)."""
+        by_req = {output.req_id: output for output in outputs}
+        for req_id, (start, entries) in prompt_logprobs.items():
+            output = by_req.get(req_id)
+            if output is None:
+                request = self.requests.get(req_id)
+                if request is None or request.status is not RequestStatus.RUNNING:
+                    continue
+                output = EngineCoreOutput(req_id, [])
+                outputs.append(output)
+            output.new_prompt_logprobs = entries
+            output.prompt_logprobs_start = start
 
     def _cache_computed_blocks(self, scheduler_output: SchedulerOutput) -> None:
         """Indexes the blocks whose KV the step finished writing (the one place that does)."""
