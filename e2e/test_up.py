@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ import httpx
 import openai
 import pytest
 import yaml
+from kvferry.engine.models.source import resolve_model_source
 from kvferry.router.config import RouterSettings
 from kvferry.router.prefix_index import prompt_block_hashes
 from kvferry_testing.procs import Proc, free_port, wait_http
@@ -556,6 +558,29 @@ def test_up_with_a_model_the_engine_cannot_run_says_so_before_starting_anything(
         "architecture 'WhisperForConditionalGeneration', which the engine does not implement; "
         f"supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM. {SOURCE_FIX}\n")
     assert elapsed < 10, elapsed
+
+
+def test_a_tokenizer_given_in_the_extra_flags_is_the_pods_and_the_routers(tmp_path: Path) -> None:
+    from kvferry.operator.spec import parse_spec
+
+    from kvferry.up import check_model_source, pod_children, router_child
+
+    model = tmp_path / "weights-only"
+    shutil.copytree(Path(resolve_model_source("demo")), model)
+    (model / "tokenizer.json").unlink()
+    manifest = manifest_with({"source": f"hostpath://{model}"},
+                             {"extraArgs": ["--tokenizer", "demo"]})
+    spec = parse_spec(manifest)
+    assert check_model_source(spec) == str(model)
+    (pod,) = pod_children(spec, "redis://127.0.0.1:1", {}, model=str(model))
+    assert pod.args[pod.args.index("--model") + 1] == str(model)
+    assert pod.args[-2:] == ["--tokenizer", "demo"]
+    router = router_child(spec, "redis://127.0.0.1:1", "127.0.0.1", 8000, {}, "k" * 32,
+                          str(model))
+    assert router.args[router.args.index("--tokenizer") + 1] == "demo"
+    # Without it the checkpoint lacks what the pods need, and says so.
+    with pytest.raises(ValueError, match=f"{model} has no tokenizer.json"):
+        check_model_source(parse_spec(manifest_with({"source": f"hostpath://{model}"})))
 
 
 def test_up_with_a_hub_model_it_cannot_download_says_so_before_starting_anything(

@@ -38,6 +38,7 @@ from kvferry.up_checks import (
     check_model_source,
     check_port_free,
     external_redis_url,
+    given_tokenizer,
     local_model_arg,
     transfer_key_text,
 )
@@ -153,10 +154,11 @@ def router_child(spec: InferenceServiceSpec, redis_url: str, host: str, port: in
     args = [sys.executable, "-m", "kvferry.cli", "router", "--service", spec.name,
             "--redis", redis_url, "--host", host, "--port", str(port)]
     model = model or local_model_arg(spec.model.source_scheme, spec.model.source_path)
-    if spec.model.source_scheme == "demo" or Path(model).is_dir():
-        # The weights are on this machine: the router tokenizes text prompts with their
-        # tokenizer instead of asking a pod.
-        args += ["--tokenizer", model]
+    tokenizer = given_tokenizer(spec) or model
+    if tokenizer == "demo" or Path(tokenizer).is_dir():
+        # The tokenizer is on this machine: the router tokenizes text prompts with it
+        # instead of asking a pod.
+        args += ["--tokenizer", tokenizer]
     return ChildSpec(f"{spec.name}-router", args, env={**env, KEY_ENV: transfer_key},
                      stop_timeout_s=stop_timeout_s(spec),
                      is_ready=http_probe(_probe_host(host), port, "/ping"))

@@ -128,12 +128,23 @@ def check_model_source(spec: InferenceServiceSpec) -> str:
         if scheme == "hf":
             logger.info("fetching %s from the hub (or its local cache)", spec.model.source)
             model = str(download_from_hub(model))
-        check_checkpoint(Path(model))
+        check_checkpoint(Path(model), has_own_tokenizer=given_tokenizer(spec) is None)
     except (CheckpointError, ValueError) as exc:
         reason = str(exc).rstrip(".")
         raise ModelSourceError(f"spec.model.source {spec.model.source}: {reason}. "
                                f"{MODEL_SOURCE_FIX}") from None
     return model
+
+
+def given_tokenizer(spec: InferenceServiceSpec) -> str | None:
+    """The `--tokenizer` the spec's extra engine flags give the pods, if any."""
+    args = list(spec.engine.extra_args)
+    for index, arg in enumerate(args):
+        if arg.startswith("--tokenizer="):
+            return arg.split("=", 1)[1]
+        if arg == "--tokenizer" and index + 1 < len(args):
+            return args[index + 1]
+    return None
 
 
 def transfer_key_text(environ: dict[str, str]) -> str:

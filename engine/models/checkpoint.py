@@ -43,12 +43,12 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     )
 
 
-def check_checkpoint(model_dir: Path) -> ModelArchConfig:
+def check_checkpoint(model_dir: Path, has_own_tokenizer: bool = True) -> ModelArchConfig:
     """The checkpoint's architecture config, once every file loading needs is found readable.
 
     CheckpointError names the first thing missing or wrong: the directory itself, its
-    `config.json`, an architecture the engine does not implement, the weights or the
-    tokenizer.
+    `config.json`, an architecture the engine does not implement, the weights or (unless
+    `has_own_tokenizer` is False: the tokenizer comes from elsewhere) the tokenizer.
     """
     model_dir = Path(model_dir)
     _check_directory(model_dir)
@@ -68,10 +68,11 @@ def check_checkpoint(model_dir: Path) -> ModelArchConfig:
     except (OSError, ValueError) as exc:
         raise CheckpointError(str(exc)) from None
     tokenizer = model_dir / TOKENIZER_FILE
-    if not tokenizer.is_file():
+    if has_own_tokenizer and not tokenizer.is_file():
         raise CheckpointError(f"{model_dir} has no {TOKENIZER_FILE}; only tokenizers-library "
                               "(fast) tokenizers are supported")
-    unreadable = [p for p in [*files, tokenizer] if not os.access(p, os.R_OK)]
+    needed = [*files, tokenizer] if has_own_tokenizer else files
+    unreadable = [p for p in needed if not os.access(p, os.R_OK)]
     if unreadable:
         raise CheckpointError(f"{unreadable[0]} is not readable by this user")
     return config

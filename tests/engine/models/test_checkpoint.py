@@ -95,3 +95,9 @@ def test_checking_imports_no_torch(checkpoint: Path) -> None:
                           timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_a_tokenizer_from_elsewhere_is_not_looked_for(checkpoint: Path) -> None:
+    (checkpoint / "tokenizer.json").unlink()
+    assert check_checkpoint(checkpoint, has_own_tokenizer=False).architecture == \
+        "Qwen2ForCausalLM"
