@@ -289,8 +289,9 @@ class Scheduler:
             ):
                 break
             num_new = min(num_new, budget.tokens)
+            # A pulled request's tokens are counted in its num_computed_tokens already.
             new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new, hits, num_hit_tokens
+                request, num_new, hits, 0 if is_pulled else num_hit_tokens
             )
             if new_blocks is None:
                 break
