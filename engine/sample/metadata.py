@@ -63,6 +63,10 @@ class SamplingMetadata:
     # because the row has fewer than min_tokens outputs; None when there are none.
     blocked_rows: torch.Tensor | None
     blocked_token_ids: torch.Tensor | None
+    # Structured outputs: (num_masked,) int64 rows under a grammar this step and their
+    # (num_masked, num_words) int32 token bitmasks (bitmask.py); None when no row has one.
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -73,13 +77,15 @@ class SamplingMetadata:
         stop_token_ids_to_block: dict[int, list[int]],
         vocab_size: int,
         device: torch.device,
+        grammar_bitmask: tuple[list[int], torch.Tensor] | None = None,
     ) -> SamplingMetadata:
         """Build the metadata for rows `0..len(params)-1`.
 
         `output_token_ids[i]` and `prompt_token_ids[i]` are row i's tokens so far (read only
         when a penalty needs them; a seeded row's output length is also its noise counter);
         `stop_token_ids_to_block` maps a row to the token ids (EOS
-        and stop_token_ids) it must not sample yet because min_tokens is not reached.
+        and stop_token_ids) it must not sample yet because min_tokens is not reached;
+        `grammar_bitmask` is (rows, their bitmask rows on the CPU) of rows under a grammar.
         """
         num_rows = len(params)
         _check_row_lists(num_rows, output_token_ids, prompt_token_ids)
@@ -118,7 +124,16 @@ class SamplingMetadata:
             metadata._fill_seeds(params, greedy, output_token_ids, device)
         if any(p.has_penalties for p in params):
             metadata._fill_penalties(params, output_token_ids, prompt_token_ids, device)
+        if grammar_bitmask is not None:
+            metadata._fill_grammar(*grammar_bitmask, device)
         return metadata
+
+    def _fill_grammar(self, rows: list[int], bitmask: torch.Tensor, device: torch.device) -> None:
+        _check_row_keys("grammar rows", dict.fromkeys(rows), self.num_rows)
+        if len(rows) != bitmask.shape[0]:
+            raise ValueError(f"{len(rows)} grammar rows for {bitmask.shape[0]} bitmask rows")
+        self.grammar_rows = torch.tensor(rows, dtype=torch.int64).to(device)
+        self.grammar_bitmask = bitmask.to(device, non_blocking=True)
 
     def _fill_seeds(
         self, params: list[SamplingParams], greedy: list[bool],
