@@ -45,6 +45,17 @@ def num_bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def fill_bitmask(executor: llguidance.LLExecutor, matchers: list[llguidance.LLMatcher],
+                 buffer: torch.Tensor) -> torch.Tensor:
+    """Writes matcher i's allowed tokens into row i of `buffer` ((rows, words) int32, CPU,
+    contiguous); returns the rows written. llguidance fills them in parallel threads with
+    the GIL released."""
+    rows = buffer[: len(matchers)]
+    executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], rows.data_ptr(),
+                                     rows.shape[1] * rows.element_size(), len(matchers))
+    return rows
+
+
 class RequestGrammar:
     """One request's constraint: compiling, then the matcher its sampled tokens advance."""
 
@@ -178,12 +189,7 @@ class StructuredOutputManager:
 
     def _fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
         assert self._bitmask is not None and self._executor is not None
-        rows = self._bitmask[: len(matchers)]
-        # llguidance fills the rows in parallel with the GIL released.
-        self._executor.unsafe_compute_mask_ptr(
-            [(m, i) for i, m in enumerate(matchers)], rows.data_ptr(),
-            rows.shape[1] * rows.element_size(), len(matchers))
-        return rows
+        return fill_bitmask(self._executor, matchers, self._bitmask)
 
     def accept_token(self, request: Request, token_id: int) -> str | None:
         """Advances the request's matcher by its sampled token.
