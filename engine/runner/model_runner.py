@@ -299,14 +299,20 @@ class ModelRunner:
 
 def _grammar_rows(states: list[CachedRequestState],
                   grammar_bitmask: GrammarBitmask) -> tuple[list[int], torch.Tensor]:
-    """The logits rows of the bitmask's requests, and the bitmask (waited for here, the last
-    moment: it was filled while the model ran)."""
+    """The logits rows of the bitmask's requests in ascending order, and their bitmask rows in
+    the same order (waited for here, the last moment: it was filled while the model ran).
+    When every row is constrained, rows are then 0..n-1 and the sampler masks in one pass."""
     row_of = {state.req_id: row for row, state in enumerate(states)}
     rows = [row_of.get(req_id) for req_id in grammar_bitmask.req_ids]
     if None in rows:
         missing = [r for r, row in zip(grammar_bitmask.req_ids, rows) if row is None]
         raise RuntimeError(f"requests {missing} have a grammar bitmask but sample nothing")
-    return rows, grammar_bitmask.result()  # type: ignore[return-value]
+    bitmask = grammar_bitmask.result()
+    order = sorted(range(len(rows)), key=rows.__getitem__)
+    if order != list(range(len(rows))):
+        bitmask = bitmask[order]  # a small host gather: one row of words per request
+        rows = [rows[i] for i in order]
+    return rows, bitmask  # type: ignore[return-value]
 
 
 # Logprobs on the host: token ids (num_rows, k + 1), their values, the sampled tokens' ranks.

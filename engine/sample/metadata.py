@@ -63,10 +63,11 @@ class SamplingMetadata:
     # because the row has fewer than min_tokens outputs; None when there are none.
     blocked_rows: torch.Tensor | None
     blocked_token_ids: torch.Tensor | None
-    # Structured outputs: (num_masked,) int64 rows under a grammar this step and their
-    # (num_masked, num_words) int32 token bitmasks (bitmask.py); None when no row has one.
-    grammar_rows: torch.Tensor | None = None
+    # Structured outputs: (num_masked, num_words) int32 token bitmasks (bitmask.py) of the
+    # rows under a grammar this step, None when no row has one; and (num_masked,) int64
+    # those rows, None when every row has one, in row order.
     grammar_bitmask: torch.Tensor | None = None
+    grammar_rows: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -132,7 +133,8 @@ class SamplingMetadata:
         _check_row_keys("grammar rows", dict.fromkeys(rows), self.num_rows)
         if len(rows) != bitmask.shape[0]:
             raise ValueError(f"{len(rows)} grammar rows for {bitmask.shape[0]} bitmask rows")
-        self.grammar_rows = torch.tensor(rows, dtype=torch.int64).to(device)
+        if rows != list(range(self.num_rows)):
+            self.grammar_rows = torch.tensor(rows, dtype=torch.int64).to(device)
         self.grammar_bitmask = bitmask.to(device, non_blocking=True)
 
     def _fill_seeds(

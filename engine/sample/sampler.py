@@ -69,7 +69,7 @@ class Sampler(torch.nn.Module):
     ) -> torch.Tensor:
         """Grammar masks, min_tokens blocking, then penalties: what greedy and random rows
         both see."""
-        if metadata.grammar_rows is not None and metadata.grammar_bitmask is not None:
+        if metadata.grammar_bitmask is not None:
             logits = apply_token_bitmask(logits, metadata.grammar_rows, metadata.grammar_bitmask)
         if metadata.blocked_rows is not None and metadata.blocked_token_ids is not None:
             logits = block_tokens(logits, metadata.blocked_rows, metadata.blocked_token_ids)

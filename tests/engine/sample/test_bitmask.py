@@ -39,6 +39,15 @@ def test_disallowed_tokens_of_the_masked_rows_get_minus_inf_and_nothing_else_cha
     assert out.argmax(dim=-1)[2].item() in (3, 40, 69)
 
 
+def test_a_bitmask_for_every_row_in_order_masks_in_one_pass() -> None:
+    logits = torch.randn(3, 40)
+    allowed = np.random.default_rng(1).random((3, 40)) < 0.5
+    whole = apply_token_bitmask(logits, None, pack(allowed))
+    by_rows = apply_token_bitmask(logits, torch.tensor([0, 1, 2]), pack(allowed))
+    assert torch.equal(whole, by_rows)
+    assert np.array_equal(torch.isfinite(whole).numpy(), allowed)
+
+
 def test_a_bitmask_narrower_than_the_vocabulary_is_refused() -> None:
     with pytest.raises(ValueError, match="covers 32 tokens, fewer than the vocabulary's 33"):
         unpack_bitmask(torch.zeros(1, 1, dtype=torch.int32), 33)

@@ -135,8 +135,8 @@ class SamplerSpy:
 
     def __enter__(self) -> SamplerSpy:
         def record(logits, metadata: SamplingMetadata):  # noqa: ANN001, ANN202
-            rows = metadata.grammar_rows
-            self.calls.append((metadata.num_rows, None if rows is None else rows.numel()))
+            bitmask = metadata.grammar_bitmask
+            self.calls.append((metadata.num_rows, None if bitmask is None else bitmask.shape[0]))
             return self.forward(logits, metadata)
 
         self.sampler.forward = record
