@@ -70,6 +70,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 from kvferry.kvtransfer import (
@@ -79,10 +80,17 @@ from kvferry.kvtransfer import (
     KVTransferMetrics,
     KVTransferParams,
 )
-from kvferry.kvtransfer.auth import KEY_ENV, generate_key_text, key_from_environment
+from kvferry.kvtransfer.auth import (
+    KEY_ENV,
+    SideChannelAuth,
+    check_params,
+    generate_key_text,
+    key_from_environment,
+)
 from kvferry.kvtransfer.layout import block_runs
 from kvferry.kvtransfer.memory import allocate_kv_cache
 from kvferry.kvtransfer.nixl_backend import GroupRead, NixlBackend
+from kvferry.kvtransfer.side_channel import RENEW_PATH, LeaseRequest
 
 TARGET_RATIO = 0.7
 NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
@@ -342,6 +350,7 @@ def measure_size(conn: Any, producer_pid: int, size_mb: int, trials: int, ucx_er
             results.connector_s.append(total_s)
             results.connector_read_s.append(read_s)
         check_pulled(conn, dst, remote_ids, local_ids)
+        mac_s = mac_seconds(conn, remote_ids)
         if verbose:
             num_bytes = num_pulled * BLOCK_BYTES
             for name, seconds in vars(results).items():
@@ -349,7 +358,7 @@ def measure_size(conn: Any, producer_pid: int, size_mb: int, trials: int, ucx_er
                       " ".join(f"{num_bytes / s / 1e9:.2f}" for s in seconds))
         descriptors = {"cross": len(cross_reads[0].runs),
                        "layer": sum(len(r.runs) for r in layer_reads)}
-        return summarize(size_mb, num_pulled, results, descriptors)
+        return summarize(size_mb, num_pulled, results, descriptors, mac_s)
     finally:
         consumer[1].shutdown()
         consumer[0].shutdown()
@@ -399,8 +408,34 @@ def check_pulled(conn: Any, dst: torch.Tensor, remote_ids: np.ndarray,
         raise RuntimeError("pulled blocks differ from the producer's")
 
 
-def summarize(size_mb: int, num_blocks: int, t: Trials, descriptors: dict[str, int]
-              ) -> dict[str, Any]:
+def mac_seconds(conn: Any, remote_ids: np.ndarray, repeats: int = 200) -> float:
+    """What the key costs one pull on the consumer: checking a hold's params (as a decode pod
+    does before any network call) plus signing and checking one side-channel renewal and
+    its reply. Median seconds over `repeats` rounds, on params the producer really signed."""
+    key = key_from_environment(os.environ)
+    assert key is not None
+    conn.send(("hold", "mac-timing", remote_ids.tolist()))
+    params = KVTransferParams.from_dict(conn.recv())
+    assert params is not None
+    side = SideChannelAuth(key)
+    body = msgspec.msgpack.encode(LeaseRequest(agent_name="", req_ids=["mac-timing"],
+                                               reader="bench"))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        now = time.time()
+        refusal = check_params(params, key, now)
+        header, nonce = side.sign_request("POST", RENEW_PATH, body)
+        served, why = side.check_request("POST", RENEW_PATH, body, header)
+        reply = side.sign_reply(nonce, 200, body)
+        assert refusal is None and served == nonce and why is None
+        assert side.reply_verifies(nonce, 200, body, reply)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def summarize(size_mb: int, num_blocks: int, t: Trials, descriptors: dict[str, int],
+              mac_s: float) -> dict[str, Any]:
     num_bytes = num_blocks * BLOCK_BYTES
 
     def gbps(seconds: list[float]) -> float:
@@ -423,6 +458,8 @@ def summarize(size_mb: int, num_blocks: int, t: Trials, descriptors: dict[str, i
         "connector_ms": round(statistics.median(t.connector_s) * 1e3, 3),
         "connector_gbps": round(gbps(t.connector_s), 3),
         "connector_read_gbps": round(gbps(t.connector_read_s), 3),
+        "mac_us": round(mac_s * 1e6, 2),
+        "mac_share_of_connector": round(mac_s / statistics.median(t.connector_s), 6),
     }
 
 
@@ -434,7 +471,8 @@ def print_row(r: dict[str, Any]) -> None:
           f"{r['descriptors']} descs) | per-layer {r['per_layer_gbps']:6.2f} GB/s "
           f"({r['per_layer_ratio']:.2f}, {r['per_layer_descriptors']} descs) | "
           f"connector {r['connector_ms']:.2f} ms ({r['connector_gbps']:.2f} GB/s, its read "
-          f"{r['connector_read_gbps']:.2f} GB/s)", flush=True)
+          f"{r['connector_read_gbps']:.2f} GB/s) | MAC checks {r['mac_us']:.1f} us "
+          f"({100 * r['mac_share_of_connector']:.3f}% of the pull)", flush=True)
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import yaml
 from kvferry.router.config import RouterSettings
 from kvferry.router.prefix_index import prompt_block_hashes
 from kvferry_testing.procs import Proc, free_port, wait_http
+from kvferry_testing.sockets import BoundSocket, listeners_of_tree, non_loopback, process_tree
 
 from kvferry.protocol.kv_events import split_hashes
 
@@ -524,7 +526,10 @@ def pd_counts(proc: Proc, pods: dict[str, str]) -> dict[str, float]:
     return {
         "prefill_hops": metric(router, "kvferry:router_hop_requests_total", hop="prefill",
                                outcome="200"),
-        "skips": metric(router, "kvferry:router_prefill_skips_total"),
+        "short_skips": metric(router, "kvferry:router_prefill_skips_total",
+                              reason="short_prompt"),
+        "cached_skips": metric(router, "kvferry:router_prefill_skips_total",
+                               reason="cached_on_decode"),
         "fallbacks": metric(router, "kvferry:router_prefill_fallbacks_total"),
         "pulled_bytes": sum(metric(u, "kvferry:kv_transfer_bytes_total") for u in decodes),
         "pull_failures": sum(metric(u, "kvferry:kv_transfer_failures_total") for u in decodes),
@@ -548,13 +553,65 @@ def test_prefill_and_decode_pools_answer_like_a_single_server_and_pull_the_kv(
     prompt_tokens = [usage[0] for _, usage in routed]
     short, long = prompt_tokens[0:2] + prompt_tokens[4:6], prompt_tokens[2:4] + prompt_tokens[6:8]
     assert max(short) < PREFILL_THRESHOLD < min(long), prompt_tokens
-    assert counted["prefill_hops"] == len(long) and counted["skips"] == len(short), counted
+    assert counted["short_skips"] == len(short), counted
+    # Each long prompt goes twice; the second time its decode pod may hold it already.
+    assert counted["prefill_hops"] + counted["cached_skips"] == len(long), counted
+    assert counted["prefill_hops"] >= len(long) / 2, counted
     assert counted["fallbacks"] == 0 and counted["pull_failures"] == 0, counted
     assert counted["pulled_bytes"] > 0, counted
 
 
 def child_port(url: str) -> str:
     return url.rsplit(":", 1)[1]
+
+
+# A long prompt that shares no prefix block with the other tests' prompts.
+FRESH_LONG_PROMPT = " ".join(["the town and the river of the history"] * 24)
+
+
+def engine_cores(root: int) -> list[int]:
+    """The engine-core processes under `root` (each pod's child)."""
+    cores = []
+    for pid in process_tree(root):
+        with contextlib.suppress(OSError):
+            if b"core_process" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                cores.append(pid)
+    return cores
+
+
+def assert_loopback_only(proc: Proc, pods: dict[str, str]) -> list[BoundSocket]:
+    """Every listener of every process `kvferry up` runs is on loopback, and the socket
+    table read shows each of them: the router's and each pod's HTTP port, and in each engine
+    core its KV side channel and UCX's listeners."""
+    listeners = listeners_of_tree(proc.proc.pid)
+    assert non_loopback(listeners) == []
+    ports = {s.port for s in listeners}
+    assert proc.port in ports, listeners  # type: ignore[attr-defined]
+    assert all(int(child_port(url)) in ports for url in pods.values()), listeners
+    cores = engine_cores(proc.proc.pid)
+    assert len(cores) == len(pods), cores
+    for pid in cores:
+        assert len([s for s in listeners if s.pid == pid]) >= 2, (pid, listeners)
+    return listeners
+
+
+def test_every_process_of_a_local_service_listens_on_loopback_only(
+        up: tuple[Proc, dict[str, str]]) -> None:
+    listeners = assert_loopback_only(*up)
+    # Its own Redis, too.
+    redis_url = re.search(r"registered as \S+ \(\S+\) in (redis://\S+)", up[0].log()).group(1)
+    assert urllib.parse.urlsplit(redis_url).port in {s.port for s in listeners}, listeners
+
+
+def test_prefill_and_decode_pods_listen_on_loopback_only_after_a_pull(
+        pd: tuple[Proc, dict[str, str]]) -> None:
+    proc, pods = pd
+    before = pd_counts(proc, pods)
+    # Through prefill then decode: UCX has connected and read in two engine cores.
+    assert ask(client(proc.port), FRESH_LONG_PROMPT, stream=False)[0]  # type: ignore[attr-defined]
+    counted = grown(before, pd_counts(proc, pods))
+    assert counted["prefill_hops"] == 1 and counted["pulled_bytes"] > 0, counted
+    assert_loopback_only(proc, pods)
 
 
 def kill_pod(proc: Proc, pods: dict[str, str], name: str) -> int:
@@ -584,10 +641,16 @@ def wait_back(proc: Proc, name: str, registered: int, pools: dict[str, list[str]
         time.sleep(0.05)
 
 
-def long_answers(c: openai.OpenAI) -> list[tuple[str, Usage]]:
+# Long prompts no other test sends: a decode pod that decoded one holds it, and the router
+# then skips the prefill hop for it (cached_on_decode), which these tests count.
+MILL_PROMPT = " ".join(["the prefill pod went down by the old mill"] * 24)
+BRIDGE_PROMPT = " ".join(["and came back up by the stone bridge"] * 24)
+
+
+def long_answers(c: openai.OpenAI, prompt: str = SHARED_PREFIX) -> list[tuple[str, Usage]]:
     """The long prompt completed and chatted, whole and streamed, all at once."""
-    calls = [(SHARED_PREFIX, False), (SHARED_PREFIX, True), (LONG_MESSAGES, False),
-             (LONG_MESSAGES, True)]
+    messages = [{"role": "user", "content": prompt}]
+    calls = [(prompt, False), (prompt, True), (messages, False), (messages, True)]
     with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
         futures = [pool.submit(ask, c, query, stream) for query, stream in calls]
         return [future.result() for future in futures]
@@ -597,19 +660,23 @@ def test_long_prompts_decode_without_the_killed_prefill_pod_and_use_it_once_back
         pd: tuple[Proc, dict[str, str]], single: Proc) -> None:
     proc, pods = pd
     name = f"{SERVICE_NAME}-prefill-0"
-    want = long_answers(client(single.port))  # type: ignore[attr-defined]
+    want = long_answers(client(single.port), MILL_PROMPT)  # type: ignore[attr-defined]
     before = pd_counts(proc, pods)
     registered = kill_pod(proc, pods, name)
     # `kvferry up` starts it again a second after it exits, and it loads for seconds before
     # it registers: these meet either the dead pod (its key lives on for a TTL) or none.
-    got = long_answers(client(proc.port))  # type: ignore[attr-defined]
+    got = long_answers(client(proc.port), MILL_PROMPT)  # type: ignore[attr-defined]
     down = pd_counts(proc, pods)
     assert got == want
-    assert grown(before, down)["fallbacks"] == len(want), grown(before, down)
+    # Each request falls back, or (sent after a twin's decode hop began) finds its decode
+    # pod holding the prompt and skips the hop.
+    changed = grown(before, down)
+    assert changed["fallbacks"] + changed["cached_skips"] == len(want), changed
     assert down["prefill_hops"] == before["prefill_hops"]
 
     wait_back(proc, name, registered, {"decode": PD_PODS[1:], "prefill": [name]})
-    assert ask(client(proc.port), SHARED_PREFIX, stream=False) == want[0]  # type: ignore[attr-defined]
+    expected = ask(client(single.port), BRIDGE_PROMPT, stream=False)  # type: ignore[attr-defined]
+    assert ask(client(proc.port), BRIDGE_PROMPT, stream=False) == expected  # type: ignore[attr-defined]
     back = grown(down, pd_counts(proc, pods))
     assert back["prefill_hops"] == 1 and back["fallbacks"] == 0, back
     assert back["pulled_bytes"] > 0 and back["pull_failures"] == 0, back

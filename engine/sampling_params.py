@@ -17,6 +17,9 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_NUM_LOGPROBS = 20
 # Presence and frequency penalties are limited to OpenAI's range.
 MAX_ABS_PENALTY = 2.0
+# A logit bias is OpenAI's: -100 (never) to 100 (always), on at most this many tokens.
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclass
@@ -151,6 +154,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # A constraint the output text must satisfy (JSON schema, regex, choice, grammar).
     structured_outputs: StructuredOutputsParams | None = None
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled (vLLM's allowed_token_ids); None allows all.
+    allowed_token_ids: list[int] | None = None
+    # Logprobs of every prompt token (but the first) with this many top alternatives, as
+    # vLLM's prompt_logprobs; None for none. Such a request takes no prefix-cache hit: the
+    # logprobs need every prompt position computed.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.stop = _normalize_stop(self.stop)
@@ -163,6 +174,7 @@ class SamplingParams:
         self._validate_filters()
         self._validate_penalties()
         self._validate_stops()
+        self._validate_token_constraints()
 
     def _validate_counts(self) -> None:
         if not self.n >= 1:
@@ -177,6 +189,9 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_NUM_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_NUM_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_NUM_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_NUM_LOGPROBS}], got "
+                             f"{self.prompt_logprobs}")
 
     def _validate_filters(self) -> None:
         if not self.temperature >= 0.0:
@@ -205,6 +220,31 @@ class SamplingParams:
         for index, token_id in enumerate(self.stop_token_ids):
             if not token_id >= 0:
                 raise ValueError(f"stop_token_ids[{index}] must be >= 0, got {token_id}")
+
+    def _validate_token_constraints(self) -> None:
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                raise ValueError(f"logit_bias holds {len(self.logit_bias)} tokens, more than "
+                                 f"the limit of {MAX_LOGIT_BIAS_ENTRIES}")
+            for token_id, bias in self.logit_bias.items():
+                if not token_id >= 0:
+                    raise ValueError(f"logit_bias token ids must be >= 0, got {token_id}")
+                if not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:
+                    raise ValueError(f"logit_bias[{token_id}] must be in "
+                                     f"[-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], got {bias}")
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty: nothing could be sampled")
+            for index, token_id in enumerate(self.allowed_token_ids):
+                if not token_id >= 0:
+                    raise ValueError(f"allowed_token_ids[{index}] must be >= 0, got {token_id}")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+
+    @property
+    def has_token_constraints(self) -> bool:
+        """Whether logit_bias or allowed_token_ids change this request's logits."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None
 
     @property
     def is_greedy(self) -> bool:

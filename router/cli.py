@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "events in Redis that its pods did not sign with it are ignored")
     parser.add_argument("--prefill-threshold", type=int, default=256, metavar="TOKENS",
                         help="skip the prefill hop when fewer prompt tokens than this are not "
-                             "cached on the decode pod")
+                             "cached on the decode pod the decode policy picks (by the router's "
+                             "prefix index, whatever the policy)")
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     parser.add_argument("--connect-timeout", type=float, default=2.0, metavar="S")
     parser.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S")

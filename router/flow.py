@@ -5,7 +5,8 @@ with `kv_transfer_params: {"do_remote_decode": true}`, one token and no streamin
 params it returns go with the original request to a decode pod, which pulls the KV blocks
 and answers (its answer holds the first token once and the whole request's usage). The
 prefill hop is skipped when the decode pod would compute only a short uncached part of
-the prompt itself, for requests that are not one prompt with n == 1 (a prefill pod hands
+the prompt itself (the prompt is short, or the decode pod the decode policy picks holds all
+but a short tail of it by the router's prefix index, whatever that policy), for requests that are not one prompt with n == 1 (a prefill pod hands
 over the KV of one sequence), and when the prefill pool is down or fails (counted as a
 fallback). A prefill pod that refuses the request itself (a 4xx other than 429) ends it:
 the client gets that answer, as the decode pod would give it.
@@ -36,12 +37,13 @@ from kvferry.router.kv_events import KVEventReader
 from kvferry.router.metrics import RouterMetrics
 from kvferry.router.pod_client import HopTimeout, PodClient
 from kvferry.router.pods import Pod, PodDirectory
-from kvferry.router.policies import Choice, Policy, PrefixAware, make_policy
+from kvferry.router.policies import Choice, Policy, PrefixAware, RoundRobin, make_policy
 from kvferry.router.prefix_index import PrefixIndex, prompt_block_hashes
 
 from kvferry.protocol.errors import error_body
-from kvferry.protocol.request_checks import check_body
 from kvferry.protocol.record_auth import Rejection
+from kvferry.protocol.request_checks import check_body, known_fields
+from kvferry.protocol.request_fields import UnknownFields, unknown_names
 
 if TYPE_CHECKING:
     from kvferry.engine.frontend.tokenizer import Tokenizer
@@ -98,6 +100,7 @@ class Router:
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS,
                                                  thread_name_prefix="kvferry-tokenize")
         self.metrics = RouterMetrics()
+        self.unknown_fields = UnknownFields("kvferry router")
         key = settings.registry_key
         self.pods = PodDirectory(settings.redis_url, settings.service, settings.registry_poll_s,
                                  key, self._count_rejected)
@@ -121,8 +124,9 @@ class Router:
 
     async def start(self) -> None:
         self.pods.start()
-        if "prefix-aware" in self.settings.policies.values():
-            self.kv_events.start()
+        # The prefix index serves prefix-aware policies and, whatever the policies, the
+        # prefill skip for a prompt the chosen decode pod holds already.
+        self.kv_events.start()
 
     async def stop(self) -> None:
         await self.kv_events.stop()
@@ -140,6 +144,10 @@ class Router:
         InvalidRequest: the body has text or a field type the engine pods refuse (the router
         refuses it the same way, before tokenizing it or spending a prefill hop on it)."""
         check_body(endpoint, body)
+        unknown = unknown_names(endpoint, body, known_fields(endpoint))
+        if unknown:
+            self.unknown_fields.record(endpoint, unknown)
+            self.metrics.unknown_request_fields.inc(len(unknown))
         if KV_TRANSFER_FIELD in body:
             del body[KV_TRANSFER_FIELD]
             raw = None
@@ -155,21 +163,32 @@ class Router:
             body = {**body, KV_TRANSFER_FIELD: params}
             raw = None
             # Loads seen before the prefill hop are stale by now (requests that came
-            # meanwhile saw the same ones): the decode pod is chosen when the hop goes.
-            decode = None
+            # meanwhile saw the same ones): the decode pod is chosen when the hop goes,
+            # except by round robin, whose turn was taken already and holds.
+            if not isinstance(self._policy("decode"), RoundRobin):
+                decode = None
         payload = raw if raw is not None else _dumps(body)
         return await self._decode(endpoint, payload, prompt, decode, request_id)
 
     # ------------------------------------------------------------------ choosing pods
     def _cache_choice(self, prompt: Prompt) -> Choice | None:
-        """The decode pod a prefix-aware policy picks for the prompt, whose cached blocks may
-        make the prefill hop unneeded; None for other policies (they predict no hits, and
-        choose when the decode hop goes) or an empty pool. Counted as chosen only if used."""
+        """The decode pod the decode policy picks for the prompt, with the prompt tokens the
+        prefix index says it holds already (which may make the prefill hop unneeded); None
+        for an empty pool or a prompt without block hashes. Counted as chosen only if used.
+
+        Whatever the policy, the skip is judged on the pod the request would go to: a
+        prefix-aware policy predicts its own hits; for the others the index is asked about
+        the pod they picked."""
         policy = self._policy("decode")
         pods = self.pods.pool("decode")
-        if not isinstance(policy, PrefixAware) or not pods:
+        if not pods or not prompt.block_hashes:
             return None
-        return policy.choose(pods, prompt.block_hashes)
+        choice = policy.choose(pods, prompt.block_hashes)
+        if isinstance(policy, PrefixAware):
+            return choice
+        pod = choice.pod
+        held = self.index.num_leading_blocks(prompt.block_hashes, [pod.name])[pod.name]
+        return Choice(pod, held * pod.record.block_size)
 
     def _policy(self, pool: str) -> Policy:
         return self.policies.get(pool) or self.policies["decode"]
@@ -268,8 +287,14 @@ class Router:
         if not _is_one_prompt(endpoint, body):
             self.metrics.prefill_skips.labels("not_one_prompt").inc()
             return None
-        if self._is_short(prompt, decode):
+        if _scores_the_prompt(body):
+            self.metrics.prefill_skips.labels("prompt_logprobs").inc()
+            return None
+        if self._is_short(prompt, None):
             self.metrics.prefill_skips.labels("short_prompt").inc()
+            return None
+        if self._is_short(prompt, decode):
+            self.metrics.prefill_skips.labels("cached_on_decode").inc()
             return None
         try:
             return await self._prefill(endpoint, body, prompt, request_id)
@@ -376,6 +401,14 @@ def _raise_if_refused(answer: HopResponse, raw: bytes) -> None:
     if 400 <= status < 500 and status != 429:
         content_type = answer.response.headers.get("content-type", "application/json")
         raise RequestRefused(Answer(status, {"content-type": content_type}, body=raw))
+
+
+def _scores_the_prompt(body: dict[str, Any]) -> bool:
+    """True for a request that asks for its prompt's logprobs (`prompt_logprobs`, or `echo`
+    with `logprobs`): they need every prompt position computed on the pod that answers."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    return body.get("echo") is True and body.get("logprobs") is not None
 
 
 def _is_one_prompt(endpoint: str, body: dict[str, Any]) -> bool:

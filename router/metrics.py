@@ -53,9 +53,11 @@ class RouterMetrics:
             ["reason"], registry=r))
         self.prefill_skips = Labelled(Counter(
             "kvferry:router_prefill_skips",
-            "Requests sent straight to decode by choice: their uncached prompt part was below "
-            "the threshold (short_prompt), or they are not one prompt with n == 1 "
-            "(not_one_prompt: the prefill pod hands over one sequence's KV)",
+            "Requests sent straight to decode by choice: their prompt was below the threshold "
+            "(short_prompt), the decode pod picked holds all of it but a tail below the "
+            "threshold (cached_on_decode), they are not one prompt with n == 1 "
+            "(not_one_prompt: the prefill pod hands over one sequence's KV), or they ask for "
+            "their prompt's logprobs (prompt_logprobs: the answering pod computes the prompt)",
             ["reason"], registry=r))
         self.pod_chosen = Labelled(Counter(
             "kvferry:router_pod_chosen", "Pods chosen, per pool and policy",
@@ -77,6 +79,10 @@ class RouterMetrics:
             ["reason"], registry=r))
         self.stream_errors = Counter("kvferry:router_stream_errors",
                                      "Answers cut off by a pod failing mid-stream", registry=r)
+        self.unknown_request_fields = Counter(
+            "kvferry:router_unknown_request_fields",
+            "Request fields that neither OpenAI's nor vLLM's schema has (relayed to the pods, "
+            "which ignore them; each name is logged once)", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -80,6 +80,11 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Finished (STOP) because its grammar is complete: the last token is output text, not
     # a stop token (structured outputs).
     grammar_ended: bool = False
+    # Prompt logprobs this step computed (a prompt_logprobs request's prefill chunk): the
+    # entries of prompt positions `prompt_logprobs_start`, `prompt_logprobs_start + 1`, ...
+    # (position i is the prompt's token i given the tokens before it; i >= 1).
+    new_prompt_logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs_start: int = 0
 
     @property
     def finished(self) -> bool:
@@ -155,6 +160,14 @@ class EngineLimits(msgspec.Struct, array_like=True, frozen=True):
                     f"stop_token_ids[{index}] = {token_id} is outside the vocabulary "
                     f"[0, {self.vocab_size})"
                 )
+        for token_id in params.logit_bias or ():
+            if token_id >= self.vocab_size:
+                raise ValueError(f"logit_bias names token {token_id}, outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        for index, token_id in enumerate(params.allowed_token_ids or ()):
+            if token_id >= self.vocab_size:
+                raise ValueError(f"allowed_token_ids[{index}] = {token_id} is outside the "
+                                 f"vocabulary [0, {self.vocab_size})")
 
 
 class EngineCoreInfo(msgspec.Struct, array_like=True, frozen=True):

@@ -336,8 +336,9 @@ class Scheduler:
             ):
                 break
             num_new = min(num_new, budget.tokens)
+            # A pulled request's tokens are counted in its num_computed_tokens already.
             new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new, hits, num_hit_tokens
+                request, num_new, hits, 0 if is_pulled else num_hit_tokens
             )
             if new_blocks is None:
                 break
@@ -387,8 +388,8 @@ class Scheduler:
         # A hit never covers the last token (see KVCacheManager.get_computed_blocks).
         if not manager.enable_caching or (
             num_hit_blocks >= (request.num_tokens - 1) // manager.block_size
-        ):
-            return False
+        ) or request.sampling_params.prompt_logprobs is not None:
+            return False  # nothing more to hit (prompt logprobs take no hit at all)
         return budget.computes_block(request.block_hashes[num_hit_blocks])
 
     def _make_output(
@@ -469,6 +470,8 @@ class Scheduler:
             for output in outputs:
                 if by_req[output.req_id]:
                     output.new_logprobs = [by_req[output.req_id]]
+        if runner_output.prompt_logprobs:
+            self._attach_prompt_logprobs(outputs, runner_output.prompt_logprobs)
         return outputs
 
     def _advance_grammars(self, outputs: list[EngineCoreOutput]) -> bool:
@@ -480,8 +483,9 @@ class Scheduler:
         ended = False
         for output in outputs:
             request = structured.requests.get(output.req_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # unconstrained, or ended by this very token
+            if request is None or request.status is not RequestStatus.RUNNING \
+                    or not output.new_token_ids:
+                continue  # unconstrained, ended by this very token, or sampled nothing
             verdict = structured.accept_token(request, output.new_token_ids[-1])
             if verdict is None:
                 continue
@@ -495,6 +499,23 @@ class Scheduler:
             output.kv_transfer_params = self._free_request(request)
             ended = True
         return ended
+    def _attach_prompt_logprobs(
+        self, outputs: list[EngineCoreOutput],
+        prompt_logprobs: dict[str, tuple[int, list[list[tuple[int, float, int]]]]],
+    ) -> None:
+        """Puts each request's prompt logprobs on its output, or on an output of their own
+        for a request that sampled nothing (a prefill chunk before the last)."""
+        by_req = {output.req_id: output for output in outputs}
+        for req_id, (start, entries) in prompt_logprobs.items():
+            output = by_req.get(req_id)
+            if output is None:
+                request = self.requests.get(req_id)
+                if request is None or request.status is not RequestStatus.RUNNING:
+                    continue
+                output = EngineCoreOutput(req_id, [])
+                outputs.append(output)
+            output.new_prompt_logprobs = entries
+            output.prompt_logprobs_start = start
 
     def _cache_computed_blocks(self, scheduler_output: SchedulerOutput) -> None:
         """Indexes the blocks whose KV the step finished writing (the one place that does)."""

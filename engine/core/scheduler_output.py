@@ -80,6 +80,10 @@ class ModelRunnerOutput:
     # Per sampled request: [(token_id, logprob, rank), ...] with the sampled token first,
     # then the top-N; None when no request asked for logprobs.
     logprobs: list[list[tuple[int, float, int]]] | None = None
+    # Requests in prefill that asked for prompt logprobs -> (the first prompt position the
+    # step computed, its entries in order): [(token_id, logprob, rank), top-N ...] each.
+    prompt_logprobs: dict[str, tuple[int, list[list[tuple[int, float, int]]]]] = field(
+        default_factory=dict)
 
 
 def new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:

@@ -227,11 +227,13 @@ def run_engine_core(
     output_socket.setsockopt(zmq.LINGER, _OUTPUT_LINGER_MS)
     encoder = msgspec.msgpack.Encoder()
     exit_code = 0
+    orphaned = False
     try:
         _serve(config, input_socket, output_socket, parent_pid, encoder)
     except FrontEndGone as exc:
         logger.warning("engine core exiting: %s", exc)
         output_socket.setsockopt(zmq.LINGER, 0)  # nobody will read what is left
+        orphaned = True
     except Exception as exc:  # noqa: BLE001 - process boundary: report any failure, then exit
         logger.exception("engine core failed")
         _send(output_socket, encoder, CoreFailed(f"{type(exc).__name__}: {exc}"))
@@ -240,6 +242,11 @@ def run_engine_core(
         input_socket.close(linger=0)
         output_socket.close()
         context.term()
+    if orphaned:
+        # The engine is shut down; the interpreter's own teardown (module and tensor
+        # finalizers) only delays giving the memory back, by seconds on a busy host.
+        logging.shutdown()
+        os._exit(0)
     if exit_code:
         raise SystemExit(exit_code)
 

@@ -15,7 +15,13 @@ from typing import Any
 
 from kvferry.engine.core.messages import EngineCoreOutput, FinishReason, PositionLogprobs
 from kvferry.engine.frontend.detokenizer import IncrementalDetokenizer
-from kvferry.engine.frontend.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvferry.engine.frontend.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from kvferry.engine.frontend.stats import IterationStats
 from kvferry.engine.frontend.tokenizer import Tokenizer
 from kvferry.engine.sampling_params import SamplingParams
@@ -90,6 +96,9 @@ class ParentState:
     kv_transfer_params: dict[str, Any] | None = None
     # Why the core failed a completion, when it said.
     error: str | None = None
+    # With prompt_logprobs: one entry per prompt position, filled as prefill chunks come
+    # (every child computes the same prompt; a recomputed chunk rewrites the same entries).
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -114,10 +123,13 @@ def make_parent_state(
         )
         for index, (child_id, params) in enumerate(child_params.items())
     }
-    return ParentState(
+    parent = ParentState(
         request_id, prompt, prompt_token_ids, children, RequestMetrics(arrival_time),
         output_kind,
     )
+    if any(p.prompt_logprobs is not None for p in child_params.values()):
+        parent.prompt_logprobs = [None] * len(prompt_token_ids)
+    return parent
 
 
 class OutputProcessor:
@@ -151,6 +163,10 @@ class OutputProcessor:
             if parent is None:
                 continue  # aborted by the caller while the step ran
             child = parent.children[output.req_id]
+            if output.new_prompt_logprobs:
+                self._place_prompt_logprobs(parent, output)
+                if not output.new_token_ids and not output.finished:
+                    continue  # a prefill chunk: nothing for the caller yet
             if child.finished:
                 continue  # a stop string ended it; the core had sampled one more token
             stop = None
@@ -195,14 +211,27 @@ class OutputProcessor:
         stop_terminated = output.finish_reason == FinishReason.STOP and not output.grammar_ended
         return child.detokenizer.update(output.new_token_ids, stop_terminated=stop_terminated)
 
-    def _append_logprobs(self, child: ChildState, entries: PositionLogprobs) -> None:
+    def _place_prompt_logprobs(self, parent: ParentState, output: EngineCoreOutput) -> None:
+        table = parent.prompt_logprobs
+        if table is None:
+            return
+        assert output.new_prompt_logprobs is not None
+        for offset, entries in enumerate(output.new_prompt_logprobs):
+            index = output.prompt_logprobs_start + offset
+            if 0 < index < len(table):
+                table[index] = self._decode_position(entries)
+
+    def _decode_position(self, entries: PositionLogprobs) -> dict[int, Logprob]:
         position: dict[int, Logprob] = {}
         for token_id, logprob, rank in entries:
             if token_id not in position:
                 decoded = self.tokenizer.decode([token_id], skip_special_tokens=False)
                 position[token_id] = Logprob(logprob, rank, decoded)
+        return position
+
+    def _append_logprobs(self, child: ChildState, entries: PositionLogprobs) -> None:
         child.cumulative_logprob += entries[0][1]
-        child.logprobs.append(position)
+        child.logprobs.append(self._decode_position(entries))
 
     def _record_timing(
         self, parent: ParentState, child: ChildState, output: EngineCoreOutput, now: float,
@@ -252,6 +281,7 @@ class OutputProcessor:
             metrics=parent.metrics,
             kv_transfer_params=parent.kv_transfer_params,
             error=parent.error,
+            prompt_logprobs=parent.prompt_logprobs,
         )
 
     def abort(

@@ -18,6 +18,8 @@ class Logprob:
 
 # Per output position: token id -> Logprob (the sampled token and the top-N alternatives).
 SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt position: the same, None for the first token (nothing comes before it).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -68,3 +70,6 @@ class RequestOutput:
     kv_transfer_params: dict[str, Any] | None = None
     # Why the engine failed the request (finish_reason "error"), when it said.
     error: str | None = None
+    # With SamplingParams.prompt_logprobs: per prompt position, None for the first, else
+    # token id -> Logprob (the prompt's own token, then the top-N alternatives).
+    prompt_logprobs: PromptLogprobs | None = None

@@ -162,14 +162,44 @@ class ModelRunner:
         staged = self.staging.stage(prepared)
         metadata = self._attention_metadata(prepared, staged)
         hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, metadata)
+        prompt_logprobs = self._prompt_logprobs(hidden, prepared, num_scheduled)
         sampled_rows = prepared.sampled_rows.tolist()
         if not sampled_rows:  # every request is mid-prefill
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[],
+                                     prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[staged.logits_indices])
         sampling_metadata = self._sampling_metadata(sampled_rows, scheduler_output,
                                                      grammar_bitmask)
         sampler_output = self.sampler(logits, sampling_metadata)
-        return self._record_samples(sampled_rows, sampler_output)
+        output = self._record_samples(sampled_rows, sampler_output)
+        output.prompt_logprobs = prompt_logprobs
+        return output
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, prepared: PreparedInputs, num_scheduled: np.ndarray
+    ) -> dict[str, tuple[int, list[list[tuple[int, float, int]]]]]:
+        """Prompt logprobs of the rows that asked for them and computed prompt tokens.
+
+        The hidden state at position p gives the distribution of token p + 1, so a chunk of
+        positions [c, c + n) scores prompt positions c + 1 .. min(c + n, P - 1) (the last
+        position's distribution is the first output token's, which the sampler scores).
+        """
+        batch = self.input_batch
+        result: dict[str, tuple[int, list[list[tuple[int, float, int]]]]] = {}
+        for row, state in enumerate(batch.states[:len(num_scheduled)]):
+            k = state.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            start = int(batch.num_computed_tokens[row])
+            num_prompt = len(state.prompt_token_ids)
+            count = min(start + int(num_scheduled[row]), num_prompt - 1) - start
+            if count <= 0:
+                continue
+            first = int(prepared.query_start_loc[row])
+            targets = state.prompt_token_ids[start + 1:start + 1 + count]
+            entries = score_positions(self.model, hidden[first:first + count], targets, k)
+            result[state.req_id] = (start + 1, entries)
+        return result
 
     def _update_states(self, so: SchedulerOutput) -> None:
         """Applies the scheduler's diff to the persistent batch."""
@@ -313,6 +343,32 @@ def _grammar_rows(states: list[CachedRequestState],
         bitmask = bitmask[order]  # a small host gather: one row of words per request
         rows = [rows[i] for i in order]
     return rows, bitmask  # type: ignore[return-value]
+
+
+# Prompt positions scored at once: their logits are (rows, vocab_size) float32.
+PROMPT_LOGPROBS_ROWS = 512
+
+
+def score_positions(model: torch.nn.Module, hidden: torch.Tensor, targets: list[int],
+                    k: int) -> list[list[tuple[int, float, int]]]:
+    """Per position: [(target, its logprob, its rank), (top-1 id, logprob, 1), ...]."""
+    entries: list[list[tuple[int, float, int]]] = []
+    for begin in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
+        end = min(begin + PROMPT_LOGPROBS_ROWS, len(targets))
+        logprobs = model.compute_logits(hidden[begin:end]).float().log_softmax(dim=-1)
+        target = torch.tensor(targets[begin:end], dtype=torch.int64, device=logprobs.device)
+        chosen = logprobs.gather(1, target[:, None])  # (rows, 1)
+        ranks = (logprobs > chosen).sum(dim=-1) + 1
+        columns = [target[:, None].double(), chosen.double(), ranks[:, None].double()]
+        if k > 0:
+            top_values, top_ids = logprobs.topk(k, dim=-1)
+            columns += [top_ids.double(), top_values.double()]
+        host = torch.cat(columns, dim=1).cpu().tolist()  # one copy to the host
+        for row in host:
+            position = [(int(row[0]), row[1], int(row[2]))]
+            position += [(int(row[3 + j]), row[3 + k + j], j + 1) for j in range(k)]
+            entries.append(position)
+    return entries
 
 
 # Logprobs on the host: token ids (num_rows, k + 1), their values, the sampled tokens' ranks.

@@ -68,6 +68,16 @@ class SamplingMetadata:
     # those rows, None when every row has one, in row order.
     grammar_bitmask: torch.Tensor | None = None
     grammar_rows: torch.Tensor | None = None
+    # (num_biased,) int64 pairs (row, token id) and the float32 bias added to each of those
+    # logits (logit_bias); None when no row has a bias.
+    bias_rows: torch.Tensor | None = None
+    bias_token_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    # (num_restricted,) int64 rows that may sample only some tokens, and a
+    # (num_restricted, vocab_size) bool mask of those tokens (allowed_token_ids); None when
+    # no row is restricted.
+    allowed_rows: torch.Tensor | None = None
+    allowed_mask: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -125,6 +135,8 @@ class SamplingMetadata:
             metadata._fill_seeds(params, greedy, output_token_ids, device)
         if any(p.has_penalties for p in params):
             metadata._fill_penalties(params, output_token_ids, prompt_token_ids, device)
+        if any(p.has_token_constraints for p in params):
+            metadata._fill_token_constraints(params, device)
         if grammar_bitmask is not None:
             metadata._fill_grammar(*grammar_bitmask, device)
         return metadata
@@ -136,6 +148,32 @@ class SamplingMetadata:
         if rows != list(range(self.num_rows)):
             self.grammar_rows = torch.tensor(rows, dtype=torch.int64).to(device)
         self.grammar_bitmask = bitmask.to(device, non_blocking=True)
+
+    def _fill_token_constraints(self, params: list[SamplingParams], device: torch.device) -> None:
+        """logit_bias as flat (row, token, bias) triples; allowed_token_ids as row masks."""
+        biased = [(row, p.logit_bias) for row, p in enumerate(params) if p.logit_bias]
+        if biased:
+            counts = [len(bias) for _, bias in biased]
+            rows = np.repeat(np.array([row for row, _ in biased], dtype=np.int64), counts)
+            token_ids = np.fromiter((t for _, bias in biased for t in bias), dtype=np.int64,
+                                    count=len(rows))
+            values = np.fromiter((b for _, bias in biased for b in bias.values()),
+                                 dtype=np.float32, count=len(rows))
+            _check_token_ids("logit_bias", token_ids, self.vocab_size)
+            self.bias_rows = torch.from_numpy(rows).to(device)
+            self.bias_token_ids = torch.from_numpy(token_ids).to(device)
+            self.bias_values = torch.from_numpy(values).to(device)
+        restricted = [(row, p.allowed_token_ids) for row, p in enumerate(params)
+                      if p.allowed_token_ids is not None]
+        if restricted:
+            mask = np.zeros((len(restricted), self.vocab_size), dtype=np.bool_)
+            for index, (_, allowed) in enumerate(restricted):
+                token_ids = np.asarray(allowed, dtype=np.int64)
+                _check_token_ids("allowed_token_ids", token_ids, self.vocab_size)
+                mask[index, token_ids] = True
+            rows = np.array([row for row, _ in restricted], dtype=np.int64)
+            self.allowed_rows = torch.from_numpy(rows).to(device)
+            self.allowed_mask = torch.from_numpy(mask).to(device)
 
     def _fill_seeds(
         self, params: list[SamplingParams], greedy: list[bool],
@@ -227,6 +265,12 @@ def _pad_token_ids(rows: list[list[int]], pad_id: int, device: torch.device) -> 
     for row, ids in enumerate(rows):
         table[row, : len(ids)] = ids
     return torch.from_numpy(table).to(device)
+
+
+def _check_token_ids(name: str, token_ids: np.ndarray, vocab_size: int) -> None:
+    if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= vocab_size):
+        bad = int(token_ids[(token_ids < 0) | (token_ids >= vocab_size)][0])
+        raise ValueError(f"{name} has token id {bad}, but ids must be in [0, {vocab_size})")
 
 
 def _blocked_pairs(

@@ -3,10 +3,11 @@
 Order of processing (vLLM's):
 
 1. rows under a grammar (structured outputs): tokens their bitmask rules out get -inf;
-2. block EOS/stop tokens of rows below min_tokens (-inf);
-3. repetition, frequency and presence penalties;
-4. greedy rows take the argmax of these logits;
-5. the other rows are divided by their temperature, filtered by min-p, top-k and top-p,
+2. logit_bias added, and tokens outside a row's allowed_token_ids set to -inf;
+3. block EOS/stop tokens of rows below min_tokens (-inf);
+4. repetition, frequency and presence penalties;
+5. greedy rows take the argmax of these logits;
+6. the other rows are divided by their temperature, filtered by min-p, top-k and top-p,
    and sampled by the exponential race: argmax(probs / E) with E ~ Exponential(1) per
    token, which picks token i with probability probs[i] without a cumulative sum; a
    seeded row's E is a function of its seed and step (seeded_noise.py).
@@ -67,10 +68,11 @@ class Sampler(torch.nn.Module):
     def apply_logits_processors(
         self, logits: torch.Tensor, metadata: SamplingMetadata
     ) -> torch.Tensor:
-        """Grammar masks, min_tokens blocking, then penalties: what greedy and random rows
-        both see."""
+        """Grammar masks, token constraints, min_tokens blocking, then penalties: what
+        greedy and random rows both see."""
         if metadata.grammar_bitmask is not None:
             logits = apply_token_bitmask(logits, metadata.grammar_rows, metadata.grammar_bitmask)
+        logits = apply_token_constraints(logits, metadata)
         if metadata.blocked_rows is not None and metadata.blocked_token_ids is not None:
             logits = block_tokens(logits, metadata.blocked_rows, metadata.blocked_token_ids)
         if not metadata.no_penalties:
@@ -102,6 +104,20 @@ class Sampler(torch.nn.Module):
         if greedy is None:
             return sampled
         return torch.where(metadata.is_greedy, greedy, sampled)
+
+
+def apply_token_constraints(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """logit_bias and allowed_token_ids; `logits` itself is left as it is."""
+    if metadata.bias_rows is not None:
+        assert metadata.bias_token_ids is not None and metadata.bias_values is not None
+        logits = logits.index_put((metadata.bias_rows, metadata.bias_token_ids),
+                                  metadata.bias_values, accumulate=True)
+    if metadata.allowed_rows is not None:
+        assert metadata.allowed_mask is not None
+        rows = metadata.allowed_rows
+        restricted = logits[rows].masked_fill(~metadata.allowed_mask, float("-inf"))
+        logits = logits.index_copy(0, rows, restricted)
+    return logits
 
 
 def exponential_race(probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -203,10 +203,12 @@ def build_app(state: ServerState) -> FastAPI:
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        state.note_unknown_fields("/v1/completions", body.unknown_fields())
         return await create_completion(state, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        state.note_unknown_fields("/v1/chat/completions", body.unknown_fields())
         return await create_chat_completion(state, body, request)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,14 +11,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvferry.engine.frontend.async_llm import AsyncLLM
 from kvferry.engine.frontend.input_processor import ProcessedPrompt
-from kvferry.engine.frontend.outputs import Logprob
+from kvferry.engine.frontend.outputs import Logprob, PromptLogprobs
 from kvferry.engine.sampling_params import SamplingParams
-from kvferry.engine.server.errors import ApiError
+from kvferry.engine.server.errors import ApiError, bad_request
 from kvferry.engine.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprob,
     UsageInfo,
     now,
     random_id,
@@ -104,6 +105,11 @@ def prepare(state: ServerState, body: CompletionRequest, request: Request) -> Co
     check_request_fits(engine, prompts, params, "max_tokens")
     check_queue_room(engine, state.settings.max_num_waiting)
     kv_transfer_params = admit_kv_transfer_params(engine, body.kv_transfer_params)
+    if params.prompt_logprobs is not None and kv_transfer_params is not None \
+            and kv_transfer_params.do_remote_prefill:
+        raise bad_request("prompt logprobs (prompt_logprobs, or echo with logprobs) need the "
+                          "whole prompt computed on this pod: they cannot come with the "
+                          "kv_transfer_params of a remote prefill", param="kv_transfer_params")
     record.num_prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
     if state.settings.log_prompts:
         record.prompt_text = " | ".join(p.prompt or str(p.prompt_token_ids) for p in prompts)
@@ -125,6 +131,7 @@ async def collect_completion(job: CompletionJob, request: Request) -> Completion
         (p, i): ChoiceState() for p in range(len(job.prompts)) for i in range(job.params.n)
     }
     kv_transfer_params = None
+    prompt_logprobs: dict[int, PromptLogprobs] = {}
     try:
         async with abort_on_disconnect(request.receive, job.abort):
             async for prompt_index, output in stream_outputs(
@@ -132,6 +139,8 @@ async def collect_completion(job: CompletionJob, request: Request) -> Completion
                 job.kv_transfer_params,
             ):
                 kv_transfer_params = output.kv_transfer_params or kv_transfer_params
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs[prompt_index] = output.prompt_logprobs
                 for delta in output.outputs:
                     choices[(prompt_index, delta.index)].add(delta)
     except (ValueError, RuntimeError) as exc:
@@ -142,32 +151,46 @@ async def collect_completion(job: CompletionJob, request: Request) -> Completion
         job.record.log()
     return CompletionResponse(
         id=job.response_id, created=job.created, model=job.model,
-        choices=[_whole_choice(job, p, i, c) for (p, i), c in choices.items()],
+        choices=[_whole_choice(job, p, i, c, prompt_logprobs.get(p))
+                 for (p, i), c in choices.items()],
         usage=UsageInfo.of(job.record.num_prompt_tokens, job.record.num_output_tokens),
         kv_transfer_params=kv_transfer_params,
     )
 
 
-def _whole_choice(job: CompletionJob, prompt_index: int, index: int,
-                  choice: ChoiceState) -> CompletionChoice:
+def _whole_choice(job: CompletionJob, prompt_index: int, index: int, choice: ChoiceState,
+                  prompt_logprobs: PromptLogprobs | None) -> CompletionChoice:
     prefix = job.prompt_text(prompt_index) if job.body.echo else ""
     logprobs = None
     if job.params.logprobs is not None:
         logprobs = completion_logprobs(choice.token_ids, choice.logprobs, len(prefix))
+        if job.body.echo:
+            logprobs = _echoed(job, prompt_index, prompt_logprobs, logprobs)
     return CompletionChoice(
         index=job.choice_index(prompt_index, index), text=prefix + choice.text,
         logprobs=logprobs, finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
+        prompt_logprobs=_prompt_logprobs_json(job, prompt_logprobs),
     )
 
 
 def completion_logprobs(
-    token_ids: list[int], positions: list[dict[int, Logprob]], text_offset: int
+    token_ids: list[int], positions: list[dict[int, Logprob] | None], text_offset: int,
+    decode: Callable[[int], str] | None = None,
 ) -> CompletionLogprobs:
     """The legacy shape: per token its text, its offset in the choice's text, its logprob,
-    and {text: logprob} of the alternatives."""
+    and {text: logprob} of the alternatives. A position without logprobs (an echoed
+    prompt's first token) has nulls, and its text from `decode`."""
     out = CompletionLogprobs()
     offset = text_offset
     for token_id, position in zip(token_ids, positions):
+        if position is None:
+            token = decode(token_id) if decode is not None else ""
+            out.tokens.append(token)
+            out.token_logprobs.append(None)
+            out.text_offset.append(offset)
+            out.top_logprobs.append(None)
+            offset += len(token)
+            continue
         sampled = position.get(token_id)
         token = (sampled.decoded_token if sampled else None) or ""
         out.tokens.append(token)
@@ -176,6 +199,34 @@ def completion_logprobs(
         out.top_logprobs.append({(lp.decoded_token or ""): lp.logprob for lp in position.values()})
         offset += len(token)
     return out
+
+
+def _echoed(job: CompletionJob, prompt_index: int, table: PromptLogprobs | None,
+            completion: CompletionLogprobs) -> CompletionLogprobs:
+    """echo with logprobs: the prompt's tokens first (the first without a logprob, as
+    nothing comes before it), then the completion's."""
+    prompt_ids = job.prompts[prompt_index].prompt_token_ids
+    tokenizer = job.engine.tokenizer
+    prompt = completion_logprobs(
+        prompt_ids, table if table is not None else [None] * len(prompt_ids), 0,
+        decode=lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
+    return CompletionLogprobs(
+        text_offset=prompt.text_offset + completion.text_offset,
+        token_logprobs=prompt.token_logprobs + completion.token_logprobs,
+        tokens=prompt.tokens + completion.tokens,
+        top_logprobs=prompt.top_logprobs + completion.top_logprobs,
+    )
+
+
+def _prompt_logprobs_json(job: CompletionJob, table: PromptLogprobs | None
+                          ) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's `prompt_logprobs` of a choice, when the request asked for them."""
+    if job.body.prompt_logprobs is None or table is None:
+        return None
+    return [None if position is None else {
+        str(token_id): PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+                                     decoded_token=lp.decoded_token)
+        for token_id, lp in position.items()} for position in table]
 
 
 async def stream_completion(job: CompletionJob, request: Request) -> AsyncIterator[bytes]:
@@ -193,8 +244,8 @@ async def stream_completion(job: CompletionJob, request: Request) -> AsyncIterat
                 for delta in output.outputs:
                     key = (prompt_index, delta.index)
                     choice = choices[key]
-                    prefix = ""
-                    if not choice.started:
+                    prefix, first = "", not choice.started
+                    if first:
                         choice.started = True
                         prefix = job.prompt_text(prompt_index) if body.echo else ""
                     choice.add(delta)
@@ -206,9 +257,15 @@ async def stream_completion(job: CompletionJob, request: Request) -> AsyncIterat
                         logprobs = completion_logprobs(
                             delta.token_ids, delta.logprobs or [], offsets[key] + len(prefix))
                         offsets[key] += len(prefix) + sum(len(t) for t in logprobs.tokens)
+                        if first and body.echo:
+                            logprobs = _echoed(job, prompt_index, output.prompt_logprobs,
+                                               logprobs)
                     chunk = CompletionChoice(
                         index=job.choice_index(*key), text=text, logprobs=logprobs,
-                        finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+                        finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                        # The prompt's logprobs go once, with the choice's first chunk.
+                        prompt_logprobs=_prompt_logprobs_json(job, output.prompt_logprobs)
+                        if first else None)
                     # A prefill hop's params ride on the chunk that finishes it, as vLLM's
                     # streaming proxies read them.
                     kv_params = output.kv_transfer_params if delta.finish_reason else None
@@ -234,7 +291,7 @@ def _chunk_json(job: CompletionJob, chunk_choices: list[CompletionChoice],
         num_output = sum(len(c.token_ids) for c in choices.values())
         usage = UsageInfo.of(job.record.num_prompt_tokens, num_output)
     if usage is None and kv_transfer_params is None and len(chunk_choices) == 1 \
-            and chunk_choices[0].logprobs is None:
+            and chunk_choices[0].logprobs is None and chunk_choices[0].prompt_logprobs is None:
         return _text_chunk_json(job, chunk_choices[0])
     response = CompletionResponse(id=job.response_id, created=job.created, model=job.model,
                                   choices=chunk_choices, usage=usage,

@@ -98,6 +98,10 @@ class EngineMetrics:
             for reason in FINISH_REASONS
         }
         self._success_family = success
+        self.unknown_request_fields = Counter(
+            "kvferry:unknown_request_fields",
+            "Request fields that neither OpenAI's nor vLLM's schema has (ignored; each name "
+            "is logged once)", names, registry=r).labels(**labels)
 
     def _make_histograms(self) -> None:
         names = ["model_name"]

@@ -16,7 +16,7 @@ import dataclasses
 import json
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from kvferry.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvferry.engine.server.errors import bad_request
@@ -36,6 +36,7 @@ from kvferry.protocol.request_checks import (
     InvalidRequest,
     check_unicode,
 )
+from kvferry.protocol.request_fields import CHAT, COMPLETIONS, check_refused, unknown_names
 
 # Integers cross to the engine core as msgpack, which holds 64 bits; `Strict` refuses
 # booleans, floats and strings where an integer belongs.
@@ -64,14 +65,27 @@ class RequestBody(OpenAIModel):
     `check_unicode`: a lone UTF-16 surrogate is a 400 naming its field, found before the
     body is parsed, instead of a failure deep in the tokenizer or the detokenizer)."""
 
+    # The generation endpoint whose refused fields (`request_fields.REFUSED`) this body's
+    # model checks; None for other bodies.
+    _endpoint: ClassVar[str | None] = None
+
     @model_validator(mode="before")
     @classmethod
-    def _refuse_lone_surrogates(cls, data: Any) -> Any:
+    def _refuse_lone_surrogates_and_refused_fields(cls, data: Any) -> Any:
         try:
             check_unicode(data)
+            if cls._endpoint is not None and isinstance(data, dict):
+                check_refused(cls._endpoint, data)
         except InvalidRequest as exc:
             raise bad_request(str(exc), param=exc.param) from None
         return data
+
+    def unknown_fields(self) -> list[str]:
+        """Names in the body that no schema has (kept aside by `extra="allow"`), less the
+        accepted and refused ones that `request_fields` lists."""
+        if self._endpoint is None or not self.model_extra:
+            return []
+        return unknown_names(self._endpoint, self.model_extra, frozenset())
 
 
 class StreamOptions(OpenAIModel):
@@ -152,6 +166,10 @@ class SamplingRequest(RequestBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+    # OpenAI's: token id (a JSON object key, so a string) -> bias in [-100, 100].
+    logit_bias: dict[str, Number] | None = None
+    # vLLM's: only these token ids may be sampled.
+    allowed_token_ids: list[Int64] | None = None
     # Disaggregated serving, vLLM's shape: {"do_remote_decode": true} on a prefill pod;
     # the params a prefill returned on a decode pod (see kvferry.kvtransfer.params).
     kv_transfer_params: dict[str, Any] | None = None
@@ -168,6 +186,7 @@ class SamplingRequest(RequestBody):
 
     def build_sampling_params(
         self, max_tokens: int | None, logprobs: int | None,
+        prompt_logprobs: int | None = None,
         structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """The engine's params; a refused value raises a 400 naming the field."""
@@ -190,10 +209,26 @@ class SamplingRequest(RequestBody):
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                logit_bias=self._logit_bias(),
+                allowed_token_ids=self.allowed_token_ids,
+                prompt_logprobs=prompt_logprobs,
                 structured_outputs=structured_outputs,
             )
         except ValueError as exc:
             raise bad_request(str(exc), param=param_of_message(str(exc))) from None
+
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """The bias with integer token ids; a key that is not one is a 400."""
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()):
+                raise bad_request(f"logit_bias keys must be token ids (decimal integers), got "
+                                  f"{key[:40]!r}", param="logit_bias")
+            bias[int(key)] = value
+        return bias
 
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -208,23 +243,28 @@ def param_of_message(message: str) -> str | None:
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
 
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    _endpoint: ClassVar[str | None] = COMPLETIONS
+
     prompt: PromptInput
     max_tokens: Int64 | None = 16
     # Alternatives per position (0 = only the sampled token's logprob).
     logprobs: Int64 | None = None
     # Put the prompt in front of each completion's text.
     echo: Bool = False
+    # vLLM's: logprobs of the prompt's tokens, with this many alternatives each.
+    prompt_logprobs: Int64 | None = None
     add_special_tokens: Bool = True
 
     def to_sampling_params(
         self, structured_outputs: StructuredOutputsParams | None = None
     ) -> SamplingParams:
+        prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
-            raise bad_request(
-                "echo together with logprobs needs prompt logprobs, which this server does "
-                "not compute; drop one of them", param="echo",
-            )
-        return self.build_sampling_params(self.max_tokens, self.logprobs, structured_outputs)
+            # The echoed prompt's tokens get logprobs too, with as many alternatives.
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        return self.build_sampling_params(self.max_tokens, self.logprobs, prompt_logprobs,
+                                          structured_outputs)
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: one string or token-id list per prompt."""
@@ -309,6 +349,9 @@ class ChatTool(OpenAIModel):
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    _endpoint: ClassVar[str | None] = CHAT
+
     messages: list[ChatMessage]
     # Deprecated by OpenAI in favour of max_completion_tokens; still honoured.
     max_tokens: Int64 | None = None
@@ -335,7 +378,8 @@ class ChatCompletionRequest(SamplingRequest):
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
-        return self.build_sampling_params(max_tokens, num_logprobs, structured_outputs)
+        return self.build_sampling_params(max_tokens, num_logprobs,
+                                          structured_outputs=structured_outputs)
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as plain dicts for the chat template."""
@@ -424,6 +468,14 @@ class CompletionLogprobs(OpenAIModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIModel):
+    """vLLM's prompt logprob of one candidate token at one prompt position."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
 class CompletionChoice(OpenAIModel):
     index: int
     text: str
@@ -431,6 +483,16 @@ class CompletionChoice(OpenAIModel):
     finish_reason: str | None = None
     # vLLM's extension: the stop string or token id that ended the completion.
     stop_reason: int | str | None = None
+    # vLLM's extension, with prompt_logprobs: per prompt position (None for the first),
+    # token id -> its logprob; left out of the JSON when not asked for.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("prompt_logprobs") is None:
+            data.pop("prompt_logprobs", None)
+        return data
 
 
 class CompletionResponse(OpenAIModel):

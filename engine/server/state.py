@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvferry.http_limits import HttpLimits
+from kvferry.protocol.request_fields import UnknownFields
 
 # The largest request body read by default (the router's default too).
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -79,6 +80,8 @@ class ServerState:
     # Generation requests being served (HTTP level, streams included).
     num_in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    # Request fields no schema has: each name logged once, all counted in the metrics.
+    unknown_fields: UnknownFields = field(default_factory=lambda: UnknownFields("kvferry serve"))
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -86,6 +89,12 @@ class ServerState:
     def request_started(self) -> None:
         self.num_in_flight += 1
         self.idle.clear()
+
+    def note_unknown_fields(self, endpoint: str, names: list[str]) -> None:
+        if names:
+            self.unknown_fields.record(endpoint, names)
+            if self.metrics is not None:
+                self.metrics.unknown_request_fields.inc(len(names))
 
     def request_finished(self) -> None:
         self.num_in_flight -= 1

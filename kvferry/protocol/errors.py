@@ -19,6 +19,14 @@ ERROR_TYPES: dict[int, str] = {
 }
 
 
+class InvalidRequest(ValueError):
+    """A body the servers refuse with a 400; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def error_body(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:

@@ -18,20 +18,17 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from kvferry.protocol.errors import InvalidRequest
+from kvferry.protocol.request_fields import check_refused
+
+__all__ = ["InvalidRequest", "check_body", "check_types", "check_unicode", "known_fields"]
+
 # Integers cross to the engine core as msgpack, which holds 64 bits.
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 
 # Python decodes a JSON surrogate pair into one character, so any surrogate left is lone.
 _SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class InvalidRequest(ValueError):
-    """A body the servers refuse with a 400; `param` names the offending field."""
-
-    def __init__(self, message: str, param: str | None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 # ---- text ------------------------------------------------------------------------------
@@ -211,6 +208,8 @@ _SAMPLING_FIELDS: dict[str, TypeCheck] = {
     "guided_choice": _nullable(_strs),
     "guided_grammar": _nullable(_str),
     "guided_decoding_backend": _nullable(_str),
+    "logit_bias": _nullable(_object),
+    "allowed_token_ids": _nullable(_token_ids),
 }
 
 COMPLETION_FIELDS: Mapping[str, TypeCheck] = {
@@ -219,6 +218,7 @@ COMPLETION_FIELDS: Mapping[str, TypeCheck] = {
     "max_tokens": _nullable(_int),
     "logprobs": _nullable(_int),
     "echo": _bool,
+    "prompt_logprobs": _nullable(_int),
     "add_special_tokens": _bool,
 }
 
@@ -266,6 +266,13 @@ def check_types(endpoint: str, body: dict[str, Any]) -> None:
 
 
 def check_body(endpoint: str, body: dict[str, Any]) -> None:
-    """Everything above, in the order the engine checks it: text first, then types."""
+    """Everything the engine checks before its models read a field, in its order: text
+    first, then fields it refuses (`request_fields`), then types."""
     check_unicode(body)
+    check_refused(endpoint, body)
     check_types(endpoint, body)
+
+
+def known_fields(endpoint: str) -> frozenset[str]:
+    """The fields of `endpoint` the servers honour (the table, and the transfer params)."""
+    return frozenset(FIELDS[endpoint]) | {"kv_transfer_params"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import json
 import signal
 import time
@@ -16,6 +17,15 @@ from kvferry_testing.procs import Proc, fake_engine, router_process
 
 SERVICE = "flow"
 LONG_PROMPT = " ".join(["word"] * 300)  # the fake tokenizer: one token per word
+_prompts = itertools.count()
+
+
+def long_prompt() -> str:
+    """A long prompt no earlier one shares a block with (the fake tokenizer's token id is a
+    word's length, so the leading words spell a fresh number): a decode pod that decoded a
+    prompt holds its blocks, and the router skips the prefill hop for it the next time."""
+    digits = [1 + int(d) for d in str(next(_prompts)).zfill(6)]
+    return " ".join(["x" * d for d in digits] + ["word"] * 294)
 
 
 def metric(router: Proc, name: str, **labels: str) -> float:
@@ -78,15 +88,16 @@ def client(router: Proc, key: str = "key-two") -> openai.OpenAI:
 
 def test_long_prompt_goes_through_prefill_with_the_router_params(pd: dict[str, Proc]) -> None:
     before = len(received(pd["prefill-0"]))
+    prompt = long_prompt()
     out = client(pd["router"]).completions.create(
-        model="fake", prompt=LONG_PROMPT, max_tokens=5,
+        model="fake", prompt=prompt, max_tokens=5,
         extra_body={"kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.6.6.6"}})
     assert out.choices[0].text == " a b c"
     prefill_body = received(pd["prefill-0"])[before]
     assert prefill_body["kv_transfer_params"] == {"do_remote_decode": True}
     assert (prefill_body["max_tokens"], prefill_body["stream"]) == (1, False)
     decoded = [b for pod in ("decode-0", "decode-1") for b in received(pd[pod])
-               if b.get("prompt") == LONG_PROMPT]
+               if b.get("prompt") == prompt]
     assert len(decoded) == 1
     # The prefill pod's params, never the client's.
     assert decoded[0]["kv_transfer_params"]["remote_engine_id"] == "prefill-0"
@@ -143,6 +154,85 @@ def test_short_prompt_skips_prefill(pd: dict[str, Proc]) -> None:
     assert "kv_transfer_params" not in decoded[-1]
 
 
+def decoded_by(pd: dict[str, Proc], prompt: str) -> list[str]:
+    """The decode pods that got `prompt`, in the order they got it."""
+    return [pod for pod in ("decode-0", "decode-1") for b in received(pd[pod])
+            if b.get("prompt") == prompt]
+
+
+def test_round_robin_skips_prefill_only_where_the_picked_decode_pod_holds_the_prompt(
+        pd: dict[str, Proc]) -> None:
+    """Round robin alternates the two decode pods whether or not a prefill hop runs (the
+    turn is taken once); the third sending of one prompt comes back to the pod that decoded
+    the first, which holds it: no prefill hop. The second went to the other pod: prefill."""
+    router = pd["router"]
+    prompt = long_prompt()
+    prefilled = metric(router, "kvferry:router_hop_requests_total", hop="prefill")
+    cached_skips = metric(router, "kvferry:router_prefill_skips_total", reason="cached_on_decode")
+    prefill_before = len(received(pd["prefill-0"]))
+    for _ in range(3):
+        client(router).completions.create(model="fake", prompt=prompt, max_tokens=2)
+    pods = decoded_by(pd, prompt)
+    assert sorted(pods) == ["decode-0", "decode-0", "decode-1"] or \
+        sorted(pods) == ["decode-0", "decode-1", "decode-1"], pods
+    prefill_bodies = [b for b in received(pd["prefill-0"])[prefill_before:]
+                      if b.get("prompt") == prompt]
+    assert len(prefill_bodies) == 2
+    assert metric(router, "kvferry:router_hop_requests_total", hop="prefill") == prefilled + 2
+    assert metric(router, "kvferry:router_prefill_skips_total",
+                  reason="cached_on_decode") == cached_skips + 1
+    # A fresh prompt after them still takes its turn: the pods keep alternating.
+    fresh = [long_prompt() for _ in range(4)]
+    for other in fresh:
+        client(router).completions.create(model="fake", prompt=other, max_tokens=2)
+    turns = [decoded_by(pd, other)[0] for other in fresh]
+    assert turns[0] != turns[1] and turns[1] != turns[2] and turns[2] != turns[3], turns
+
+
+def test_least_loaded_decode_skips_prefill_for_a_prompt_its_pod_holds(
+        tmp_path: Path, redis_url: str) -> None:
+    """The default decode policy (least loaded) does not rank by prefix, but the skip asks
+    the prefix index about the pod it picked: a prompt sent twice to a one-pod decode pool
+    goes through the prefill pod once."""
+    service = "skip-cached"
+    prefill = fake_engine(tmp_path, redis_url, service, "prefill", "prefill-0")
+    decode = fake_engine(tmp_path, redis_url, service, "decode", "decode-0")
+    router = router_process(tmp_path, redis_url, service)
+    try:
+        wait_pools(router, {"decode": ["decode-0"], "prefill": ["prefill-0"]})
+        prompt = long_prompt()
+        for _ in range(2):
+            out = client(router).completions.create(model="fake", prompt=prompt, max_tokens=2)
+            assert out.choices[0].text == " a b c"  # the fake pod's answer
+        assert [b["prompt"] for b in received(prefill)] == [prompt]
+        bodies = received(decode)
+        assert [b["prompt"] for b in bodies] == [prompt, prompt]
+        assert "kv_transfer_params" in bodies[0] and "kv_transfer_params" not in bodies[1]
+        assert metric(router, "kvferry:router_prefill_skips_total",
+                      reason="cached_on_decode") == 1
+    finally:
+        for proc in (prefill, decode, router):
+            proc.stop()
+
+
+@pytest.mark.parametrize("asks", [{"prompt_logprobs": 1}, {"echo": True, "logprobs": 0}])
+def test_a_request_scoring_its_prompt_skips_the_prefill_hop(pd: dict[str, Proc],
+                                                            asks: dict) -> None:
+    """Prompt logprobs need every prompt position computed on the answering pod: the long
+    prompt goes straight to a decode pod, counted as a skip."""
+    router = pd["router"]
+    skips = metric(router, "kvferry:router_prefill_skips_total", reason="prompt_logprobs")
+    before = len(received(pd["prefill-0"]))
+    prompt = long_prompt()
+    client(router).completions.create(model="fake", prompt=prompt, max_tokens=2, extra_body=asks)
+    assert len(received(pd["prefill-0"])) == before
+    (pod,) = decoded_by(pd, prompt)
+    body = [b for b in received(pd[pod]) if b.get("prompt") == prompt][0]
+    assert "kv_transfer_params" not in body
+    assert metric(router, "kvferry:router_prefill_skips_total",
+                  reason="prompt_logprobs") == skips + 1
+
+
 def test_streamed_chat_passes_chunk_by_chunk(pd: dict[str, Proc]) -> None:
     stream = client(pd["router"]).chat.completions.create(
         model="fake", messages=[{"role": "user", "content": "hi"}], stream=True)
@@ -174,7 +264,7 @@ def test_failing_prefill_falls_back_to_decode(pd: dict[str, Proc]) -> None:
     fallbacks = metric(pd["router"], "kvferry:router_prefill_fallbacks_total")
     set_behaviour(pd["prefill-0"], "refuse")
     try:
-        out = client(pd["router"]).completions.create(model="fake", prompt=LONG_PROMPT)
+        out = client(pd["router"]).completions.create(model="fake", prompt=long_prompt())
     finally:
         set_behaviour(pd["prefill-0"], "ok")
     assert out.choices[0].text == " a b c"
@@ -245,7 +335,7 @@ def test_requests_held_by_prefill_together_spread_over_the_decode_pods(
             set_behaviour(pd[pod], "hold")
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(client(router).completions.create, model="fake",
-                                   prompt=LONG_PROMPT) for _ in range(4)]
+                                   prompt=long_prompt()) for _ in range(4)]
             wait_received(pd, ("prefill-0",), before, 4)
             set_behaviour(pd["prefill-0"], "ok")
             wait_received(pd, decodes, before, 4)
@@ -280,12 +370,13 @@ def test_requests_while_the_prefill_pool_is_down_are_counted_as_fallbacks(
         wait_pools(router, {"decode": ["decode-0"], "prefill": ["prefill-0"]})
         prefill.stop()  # its key goes at once: the pool is empty, not failing
         wait_pools(router, {"decode": ["decode-0"]})
-        for prompt in (LONG_PROMPT, "short"):
+        prompts = [long_prompt(), "short"]
+        for prompt in prompts:
             out = client(router).completions.create(model="fake", prompt=prompt)
             assert out.choices[0].text == " a b c"
         assert metric(router, "kvferry:router_prefill_fallbacks_total",
                       reason="no_live_prefill_pod") == 2
-        assert [b["prompt"] for b in received(decode)] == [LONG_PROMPT, "short"]
+        assert [b["prompt"] for b in received(decode)] == prompts
     finally:
         for proc in (prefill, decode, router):
             proc.stop()
@@ -417,7 +508,7 @@ def test_a_request_the_prefill_pod_refuses_gets_its_error_without_a_fallback(
     set_behaviour(pd["prefill-0"], "invalid")
     try:
         with pytest.raises(openai.BadRequestError) as caught:
-            client(router).completions.create(model="fake", prompt=LONG_PROMPT, max_tokens=99)
+            client(router).completions.create(model="fake", prompt=long_prompt(), max_tokens=99)
     finally:
         set_behaviour(pd["prefill-0"], "ok")
     assert caught.value.status_code == 400

@@ -80,6 +80,8 @@ class KVCacheManager:
         hash_request_blocks(
             request.all_token_ids, self.block_size, request.block_hashes, request.cache_salt
         )
+        if request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:

@@ -110,3 +110,18 @@ def test_blocked_pairs_are_flattened_in_row_order() -> None:
 def test_build_rejects_inconsistent_inputs(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         build([SamplingParams()] * 2, **kwargs)
+
+
+def test_token_constraints_are_built_only_for_rows_that_have_them() -> None:
+    plain = SamplingMetadata.build([SamplingParams(), SamplingParams(temperature=0.0)],
+                                   [[], []], [[], []], {}, 32, torch.device("cpu"))
+    assert (plain.bias_rows, plain.allowed_rows, plain.allowed_mask) == (None, None, None)
+    mixed = SamplingMetadata.build(
+        [SamplingParams(), SamplingParams(logit_bias={4: 2.0, 9: -1.0}),
+         SamplingParams(allowed_token_ids=[1, 31])],
+        [[], [], []], [[], [], []], {}, 32, torch.device("cpu"))
+    assert mixed.bias_rows.tolist() == [1, 1]
+    assert mixed.bias_token_ids.tolist() == [4, 9]
+    assert mixed.bias_values.tolist() == [2.0, -1.0]
+    assert mixed.allowed_rows.tolist() == [2]
+    assert mixed.allowed_mask.nonzero().tolist() == [[0, 1], [0, 31]]

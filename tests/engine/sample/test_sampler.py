@@ -262,3 +262,79 @@ def test_seeded_rows_sample_their_probabilities() -> None:
     params = [SamplingParams(seed=seed) for seed in range(20_000)]
     counts = torch.bincount(sample(logits, params).sampled_token_ids, minlength=5).float()
     assert torch.allclose(counts / 20_000, probs, atol=0.01), counts / 20_000
+
+
+def test_logit_bias_of_100_makes_greedy_and_random_rows_sample_that_token() -> None:
+    logits = make_logits(6, 300)
+    params = [SamplingParams(temperature=t, logit_bias={17: 100.0}) for t in (0.0, 1.0, 2.0)]
+    params += [SamplingParams(temperature=t) for t in (0.0, 1.0, 2.0)]
+    for _ in range(5):
+        sampled = sample(logits, params).sampled_token_ids
+        assert sampled[:3].tolist() == [17, 17, 17]
+        # Rows without a bias are untouched: the greedy one still takes the argmax.
+        assert sampled[3] == torch.argmax(logits[3])
+
+
+def test_logit_bias_adds_to_each_named_token_and_minus_100_bans_it() -> None:
+    logits = make_logits(2, 50)
+    top = int(torch.argmax(logits[0]))
+    runner_up = int(logits[0].topk(2).indices[1])
+    bias = {top: -100.0, runner_up: 0.5}
+    metadata = SamplingMetadata.build([SamplingParams(temperature=0.0, logit_bias=bias),
+                                       SamplingParams(temperature=0.0)],
+                                      [[], []], [[], []], {}, 50, CPU)
+    processed = Sampler().apply_logits_processors(logits.clone(), metadata)
+    expected = logits.clone()
+    expected[0, top] -= 100.0
+    expected[0, runner_up] += 0.5
+    assert torch.equal(processed, expected)
+    assert Sampler()(logits, metadata).sampled_token_ids.tolist() == [
+        runner_up, int(torch.argmax(logits[1]))]
+
+
+def test_allowed_token_ids_restrict_only_their_row() -> None:
+    logits = make_logits(3, 400)
+    allowed = [3, 250, 399]
+    params = [SamplingParams(temperature=1.5, allowed_token_ids=allowed),
+              SamplingParams(temperature=0.0, allowed_token_ids=[7]),
+              SamplingParams(temperature=0.0)]
+    seen = set()
+    for _ in range(200):
+        sampled = sample(logits, params).sampled_token_ids.tolist()
+        assert sampled[0] in allowed and sampled[1] == 7
+        assert sampled[2] == int(torch.argmax(logits[2]))
+        seen.add(sampled[0])
+    assert len(seen) >= 2  # still sampled among the allowed, not pinned to one
+
+
+def test_token_constraints_leave_input_logits_unchanged_and_logprobs_raw() -> None:
+    logits = make_logits(2, 64)
+    original = logits.clone()
+    params = [SamplingParams(temperature=0.0, logprobs=0, logit_bias={5: 100.0}),
+              SamplingParams(temperature=0.0, logprobs=0, allowed_token_ids=[9])]
+    out = sample(logits, params)
+    assert torch.equal(logits, original)
+    assert out.sampled_token_ids.tolist() == [5, 9]
+    assert out.logprobs is not None
+    raw = original.log_softmax(dim=-1)
+    assert torch.allclose(out.logprobs.logprobs[:, 0], raw[[0, 1], [5, 9]])
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"logit_bias": {3: 100.5}}, "logit_bias[3] must be in [-100, 100]"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias token ids must be >= 0"),
+    ({"logit_bias": {i: 1.0 for i in range(1025)}}, "more than the limit of 1024"),
+    ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
+    ({"allowed_token_ids": [1, -2]}, "allowed_token_ids[1] must be >= 0"),
+])
+def test_token_constraint_values_are_checked(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        SamplingParams(**kwargs)
+    assert message in str(caught.value)
+
+
+def test_constraint_token_ids_outside_the_vocabulary_are_refused_by_metadata() -> None:
+    with pytest.raises(ValueError, match="logit_bias has token id 64"):
+        SamplingMetadata.build([SamplingParams(logit_bias={64: 1.0})], [[]], [[]], {}, 64, CPU)
+    with pytest.raises(ValueError, match="allowed_token_ids has token id 70"):
+        SamplingMetadata.build([SamplingParams(allowed_token_ids=[70])], [[]], [[]], {}, 64, CPU)
