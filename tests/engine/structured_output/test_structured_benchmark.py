@@ -24,3 +24,5 @@ def test_structured_benchmark_quick_run(tmp_path: Path) -> None:
     masks = summary["mask_batch64"]
     assert masks["steps"] == 50 and 0 < masks["mask_ms_median"] <= masks["mask_ms_p90"]
     assert summary["grammar_engine"] == "llguidance"
+    assert set(summary["compile_ms"]) == {"tokenizer_setup", "schema_0", "schema_1", "schema_2",
+                                          "schema_3"}
