@@ -174,13 +174,16 @@ def test_required_tool_choice_returns_calls_of_the_given_tools(
         client: openai.OpenAI, stream: bool) -> None:
     for parallel in (True, False):
         answers = chat(client, stream=stream, n=2, max_tokens=300, tools=[WEATHER, TIME],
-                       tool_choice="required", parallel_tool_calls=parallel,
+                       tool_choice="required", parallel_tool_calls=parallel, seed=7,
                        messages=[{"role": "user", "content": "Weather and time?"}])
         for answer in answers:
-            assert answer["finish_reason"] == "tool_calls", answer
             assert answer["tool_calls"] and (parallel or len(answer["tool_calls"]) == 1)
             for _, name, arguments in answer["tool_calls"]:
                 jsonschema.validate(json.loads(arguments), PARAMETERS[name])
+            # One call closes the array; any number of them may not (a random model can
+            # add calls until max_tokens: the complete ones still come back).
+            assert answer["finish_reason"] == "tool_calls" or (
+                parallel and answer["finish_reason"] == "length"), answer
 
 
 def test_auto_tool_choice_with_a_parser_answers_the_models_text(client: openai.OpenAI) -> None:
