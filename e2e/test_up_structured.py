@@ -25,6 +25,11 @@ from kvferry_testing.procs import Proc, free_port
 SERVICE = "structured"
 # Well past the router's prefill threshold in the demo tokenizer's tokens.
 LONG_TEXT = " ".join(["the history of the river and the town"] * 24)
+
+
+def long_prompt(tag: str) -> str:
+    """A long prompt no pod has seen: a decode pod holding a prompt skips its prefill hop."""
+    return f"{tag}: {LONG_TEXT}"
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 10},
@@ -87,9 +92,10 @@ def router_metric(proc: Proc, name: str, **labels: str) -> float:
     return total
 
 
-def chat(c: openai.OpenAI, stream: bool, **kwargs: Any) -> tuple[str | None, list[tuple[str, str]]]:
+def chat(c: openai.OpenAI, stream: bool, tag: str, **kwargs: Any
+         ) -> tuple[str | None, list[tuple[str, str]]]:
     """(content, [(name, arguments)]) of a one-choice chat answer, whole or streamed."""
-    messages = [{"role": "user", "content": LONG_TEXT}]
+    messages = [{"role": "user", "content": long_prompt(tag)}]
     if not stream:
         out = c.chat.completions.create(model=SERVICE, messages=messages, **kwargs)
         message = out.choices[0].message
@@ -108,8 +114,8 @@ def chat(c: openai.OpenAI, stream: bool, **kwargs: Any) -> tuple[str | None, lis
     return content, [calls[i] for i in sorted(calls)]
 
 
-def complete(c: openai.OpenAI, stream: bool, extra: dict[str, Any]) -> str:
-    kwargs: dict[str, Any] = dict(model=SERVICE, prompt=LONG_TEXT, max_tokens=120,
+def complete(c: openai.OpenAI, stream: bool, tag: str, extra: dict[str, Any]) -> str:
+    kwargs: dict[str, Any] = dict(model=SERVICE, prompt=long_prompt(tag), max_tokens=120,
                                   extra_body=extra)
     if not stream:
         return c.completions.create(**kwargs).choices[0].text
@@ -120,23 +126,26 @@ def complete(c: openai.OpenAI, stream: bool, extra: dict[str, Any]) -> str:
 def test_constrained_answers_take_both_hops_and_hold_their_constraint(up: Proc) -> None:
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{up.port}/v1", api_key="none",  # type: ignore[attr-defined]
                       max_retries=0, timeout=120)
-    num_tokens = c.completions.create(model=SERVICE, prompt=LONG_TEXT, max_tokens=1).usage
+    num_tokens = c.completions.create(model=SERVICE, prompt=long_prompt("count"),
+                                      max_tokens=1).usage
     assert num_tokens.prompt_tokens > RouterSettings.prefill_threshold_tokens  # type: ignore[union-attr]
     hops = router_metric(up, "kvferry:router_hop_requests_total", hop="prefill", outcome="200")
     regex = r"[0-9]{2}-[a-z]{3,6}"
     answered = 0
     for stream in (False, True):
-        content, calls = chat(c, stream, max_tokens=200, response_format={
+        content, calls = chat(c, stream, f"schema {stream}", max_tokens=200, response_format={
             "type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}})
         jsonschema.validate(json.loads(content or ""), SCHEMA)
         assert calls == []
-        content, calls = chat(c, stream, max_tokens=200, tools=[TOOL],
+        content, calls = chat(c, stream, f"tool {stream}", max_tokens=200, tools=[TOOL],
                               tool_choice={"type": "function", "function": {"name": "lookup"}})
         [(name, arguments)] = calls
         assert name == "lookup" and not content
         jsonschema.validate(json.loads(arguments), TOOL["function"]["parameters"])
-        assert re.fullmatch(regex, complete(c, stream, {"guided_regex": regex}))
-        assert complete(c, stream, {"guided_choice": ["left", "right"]}) in ("left", "right")
+        assert re.fullmatch(regex, complete(c, stream, f"regex {stream}",
+                                            {"guided_regex": regex}))
+        assert complete(c, stream, f"choice {stream}",
+                        {"guided_choice": ["left", "right"]}) in ("left", "right")
         answered += 4
     # Every one of them went through the prefill pod first, and none fell back.
     grown = router_metric(up, "kvferry:router_hop_requests_total", hop="prefill",
