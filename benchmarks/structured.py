@@ -52,7 +52,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import torch
@@ -191,7 +191,7 @@ class MaskWaits:
         self.original: Callable[..., torch.Tensor] = GrammarBitmask.result
         self.seconds: list[float] = []
 
-    def __enter__(self) -> MaskWaits:
+    def __enter__(self) -> Self:
         original, seconds = self.original, self.seconds
 
         def result(bitmask: Any) -> torch.Tensor:

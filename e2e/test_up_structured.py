@@ -115,8 +115,8 @@ def chat(c: openai.OpenAI, stream: bool, tag: str, **kwargs: Any
 
 
 def complete(c: openai.OpenAI, stream: bool, tag: str, extra: dict[str, Any]) -> str:
-    kwargs: dict[str, Any] = dict(model=SERVICE, prompt=long_prompt(tag), max_tokens=120,
-                                  extra_body=extra)
+    kwargs: dict[str, Any] = {"model": SERVICE, "prompt": long_prompt(tag), "max_tokens": 120,
+                              "extra_body": extra}
     if not stream:
         return c.completions.create(**kwargs).choices[0].text
     return "".join(chunk.choices[0].text for chunk in c.completions.create(stream=True, **kwargs)

@@ -66,8 +66,8 @@ class StructuredOutputsParams:
                 raise ValueError("structured_outputs.choice must hold at least one string")
             for index, item in enumerate(self.choice):
                 if not isinstance(item, str):
-                    raise ValueError(f"structured_outputs.choice[{index}] must be a string, "
-                                     f"got {type(item).__name__}")
+                    raise TypeError(f"structured_outputs.choice[{index}] must be a string, "
+                                    f"got {type(item).__name__}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -105,8 +105,8 @@ def _schema_text(schema: Any) -> str | None:
         except ValueError as exc:
             raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
     if not isinstance(schema, (dict, bool)):
-        raise ValueError("structured_outputs.json must be a JSON schema (an object), got "
-                         f"{type(schema).__name__}")
+        raise TypeError("structured_outputs.json must be a JSON schema (an object), got "
+                        f"{type(schema).__name__}")
     # Key order kept: a schema's property order is the order the output writes them in.
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
@@ -168,8 +168,8 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         if self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputsParams):
-            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
-                             f"{type(self.structured_outputs).__name__}")
+            raise TypeError("structured_outputs must be a StructuredOutputsParams, got "
+                            f"{type(self.structured_outputs).__name__}")
         self._validate_counts()
         self._validate_filters()
         self._validate_penalties()

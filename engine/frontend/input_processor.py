@@ -57,8 +57,9 @@ class InputProcessor:
             eos = [tokenizer.eos_token_id]
         self.eos_token_ids = list(eos)
         # Checks structured-output constraints as the core will compile them; made when the
-        # first one arrives (or the reason none can be made here).
-        self._grammar_compiler: GrammarCompiler | str | None = None
+        # first one arrives. Or why none can be made for this model (its tokenizer).
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_error: str | None = None
         self._grammar_lock = threading.Lock()
 
     def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
@@ -134,21 +135,21 @@ class InputProcessor:
         spec = params.structured_outputs
         if spec is None:
             return
-        compiler = self._compiler()
-        if isinstance(compiler, str):
-            raise ValueError(compiler)
-        compiler.check(spec)
+        self._compiler().check(spec)
 
-    def _compiler(self) -> GrammarCompiler | str:
+    def _compiler(self) -> GrammarCompiler:
+        """The compiler, made once; ValueError when this model's tokenizer cannot take one."""
         with self._grammar_lock:
-            if self._grammar_compiler is None:
+            if self._grammar_compiler is None and self._grammar_error is None:
                 from kvferry.engine.structured_output.grammar import GrammarCompiler
 
                 try:
                     self._grammar_compiler = GrammarCompiler(
                         self.tokenizer.to_json(), self.limits.vocab_size, self.eos_token_ids)
                 except ValueError as exc:
-                    self._grammar_compiler = str(exc)
+                    self._grammar_error = str(exc)
+            if self._grammar_compiler is None:
+                raise ValueError(self._grammar_error)
             return self._grammar_compiler
 
     def admit_kv_transfer_params(self, data: dict[str, Any] | None) -> KVTransferParams | None:

@@ -89,7 +89,7 @@ def _from_guided_fields(body: SamplingRequest) -> list[Constraint | None]:
 def _make(param: str, **fields: object) -> Constraint:
     try:
         return Constraint(StructuredOutputsParams(**fields), param)  # type: ignore[arg-type]
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         message = str(exc)
         if param != "structured_outputs":
             # The params name their own fields ("structured_outputs.choice[1] must ..."):

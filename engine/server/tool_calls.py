@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 from kvferry.engine.sampling_params import StructuredOutputsParams
 from kvferry.engine.server.errors import bad_request
@@ -157,7 +157,7 @@ class Extracted:
     content: str = ""
     calls: list[ToolCallDelta] = field(default_factory=list)
 
-    def __iadd__(self, other: Extracted) -> Extracted:
+    def __iadd__(self, other: Extracted) -> Self:
         self.content += other.content
         self.calls += other.calls
         return self

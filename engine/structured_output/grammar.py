@@ -43,6 +43,8 @@ JSON_OPTIONS: dict[str, Any] = {
 ANY_OBJECT_SCHEMA = {"type": "object"}
 # Compiled grammars kept per compiler (least recently used dropped first).
 MAX_CACHED_GRAMMARS = 256
+# A compile's outcome: (the start-state matcher, "") or (None, why it does not compile).
+Compiled = tuple["llguidance.LLMatcher | None", str]
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -69,7 +71,7 @@ def _as_lark(grammar: str) -> str:
 
     try:
         return any_to_lark(grammar)
-    except Exception as exc:  # the converter raises its own error types and plain ones
+    except Exception as exc:  # noqa: BLE001 - the converter raises its own types and plain ones
         raise ValueError(f"the GBNF grammar cannot be read: {exc}") from None
 
 
@@ -114,8 +116,9 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         # Distinct constraints compiled so far (a cache hit compiles nothing).
         self.num_compiled = 0
-        # Constraint key -> the compiled matcher in its start state, or the compile error.
-        self._cache: OrderedDict[tuple[str, str, bool], llguidance.LLMatcher | str] = OrderedDict()
+        # Constraint key -> (the compiled matcher in its start state, None) or (None, why it
+        # does not compile).
+        self._cache: OrderedDict[tuple[str, str, bool], Compiled] = OrderedDict()
 
     def compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A matcher in the constraint's start state, for one request to advance.
@@ -133,27 +136,28 @@ class GrammarCompiler:
                 self._cache[key] = compiled
                 while len(self._cache) > MAX_CACHED_GRAMMARS:
                     self._cache.popitem(last=False)
-        if isinstance(compiled, str):
-            raise ValueError(compiled)
-        return compiled.deep_copy()
+        matcher, error = compiled
+        if matcher is None:
+            raise ValueError(error)
+        return matcher.deep_copy()
 
     def check(self, spec: StructuredOutputsParams) -> None:
         """ValueError when the constraint cannot be compiled (what `compile` would raise)."""
         self.compile(spec)
 
-    def _build(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher | str:
-        """The start-state matcher, or the error message of a constraint that does not compile."""
+    def _build(self, spec: StructuredOutputsParams) -> Compiled:
+        """The start-state matcher, or why the constraint does not compile."""
         import llguidance
 
         self.num_compiled += 1
         try:
             text = grammar_text(spec)
         except ValueError as exc:
-            return _describe(spec, str(exc))
+            return None, _describe(spec, str(exc))
         matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
         if matcher.is_error():
-            return _describe(spec, matcher.get_error())
-        return matcher
+            return None, _describe(spec, matcher.get_error())
+        return matcher, ""
 
 
 _KIND_NAMES = {"json": "the JSON schema", "json_object": "the JSON object grammar",

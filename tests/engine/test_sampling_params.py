@@ -109,23 +109,28 @@ def test_clone_for_child_without_seed_keeps_none() -> None:
 
 # ---- structured outputs ---------------------------------------------------------------
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({}, "structured_outputs must set exactly one of json, json_object, regex, choice and "
-         "grammar, got none"),
-    ({"regex": "a", "choice": ["a"]}, "structured_outputs must set exactly one of json, "
-                                      "json_object, regex, choice and grammar, got regex, choice"),
-    ({"json": {"type": "object"}, "json_object": True}, "structured_outputs must set exactly "
-     "one of json, json_object, regex, choice and grammar, got json, json_object"),
-    ({"choice": []}, "structured_outputs.choice must hold at least one string"),
-    ({"choice": ["a", 1]}, "structured_outputs.choice[1] must be a string, got int"),
-    ({"regex": ""}, "structured_outputs.regex must be a non-empty string"),
-    ({"grammar": 5}, "structured_outputs.grammar must be a non-empty string"),
-    ({"json": "{not json"}, "structured_outputs.json is not valid JSON: Expecting property "
-                            "name enclosed in double quotes: line 1 column 2 (char 1)"),
-    ({"json": [1]}, "structured_outputs.json must be a JSON schema (an object), got list"),
+EXACTLY_ONE = ("structured_outputs must set exactly one of json, json_object, regex, choice "
+               "and grammar, got ")
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({}, ValueError, EXACTLY_ONE + "none"),
+    ({"regex": "a", "choice": ["a"]}, ValueError, EXACTLY_ONE + "regex, choice"),
+    ({"json": {"type": "object"}, "json_object": True}, ValueError,
+     EXACTLY_ONE + "json, json_object"),
+    ({"choice": []}, ValueError, "structured_outputs.choice must hold at least one string"),
+    ({"choice": ["a", 1]}, TypeError, "structured_outputs.choice[1] must be a string, got int"),
+    ({"regex": ""}, ValueError, "structured_outputs.regex must be a non-empty string"),
+    ({"grammar": 5}, ValueError, "structured_outputs.grammar must be a non-empty string"),
+    ({"json": "{not json"}, ValueError, ("structured_outputs.json is not valid JSON: Expecting "
+                                         "property name enclosed in double quotes: line 1 "
+                                         "column 2 (char 1)")),
+    ({"json": [1]}, TypeError,
+     "structured_outputs.json must be a JSON schema (an object), got list"),
 ])
-def test_structured_outputs_take_exactly_one_valid_constraint(kwargs: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+def test_structured_outputs_take_exactly_one_valid_constraint(
+        kwargs: dict, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
         StructuredOutputsParams(**kwargs)
 
 
@@ -148,5 +153,5 @@ def test_structured_outputs_travel_with_the_params_to_every_child() -> None:
     spec = StructuredOutputsParams(regex="[0-9]+")
     params = SamplingParams(n=3, structured_outputs=spec)
     assert all(params.clone_for_child(i).structured_outputs is spec for i in range(3))
-    with pytest.raises(ValueError, match="^structured_outputs must be a StructuredOutputsParams"):
+    with pytest.raises(TypeError, match="^structured_outputs must be a StructuredOutputsParams"):
         SamplingParams(structured_outputs={"regex": "a"})  # type: ignore[arg-type]

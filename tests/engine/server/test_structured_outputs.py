@@ -16,8 +16,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-
-from kvferry_testing.serve_helpers import API_KEY, ServerProcess
+from kvferry_testing.serve_helpers import ServerProcess
 
 MODEL = "demo"
 # Nested objects, arrays, enums and required fields, each string and array bounded so that a
@@ -143,7 +142,8 @@ def test_vllm_fields_on_completions_always_match(client: openai.OpenAI, stream: 
 
 def _completion_texts(client: openai.OpenAI, stream: bool, prompt: str,
                       extra: dict[str, Any]) -> list[str]:
-    kwargs = dict(model=MODEL, prompt=prompt, n=2, max_tokens=300, extra_body=extra)
+    kwargs: dict[str, Any] = {"model": MODEL, "prompt": prompt, "n": 2, "max_tokens": 300,
+                              "extra_body": extra}
     if not stream:
         out = client.completions.create(**kwargs)
         assert all(c.finish_reason == "stop" for c in out.choices)
@@ -222,8 +222,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
         "name": "x", "schema": {"type": "string", "format": "no-such-format"}}}},
      "response_format", "the JSON schema cannot be compiled: Unknown format: no-such-format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format.json_schema", "response_format of type 'json_schema' needs "
-                                    "json_schema.schema"),
+     "response_format.json_schema",
+     "response_format of type 'json_schema' needs json_schema.schema"),
     ({"response_format": {"type": "structural_tag"}}, "response_format.type",
      "response_format.type 'structural_tag' is not supported"),
     ({"guided_regex": "a(b"}, "guided_regex", "the regex cannot be compiled: "),
@@ -234,11 +234,11 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_to
     ({"guided_decoding_backend": "xgrammar", "guided_regex": "[0-9]"},
      "guided_decoding_backend", "guided_decoding_backend 'xgrammar' is not available"),
     ({"structured_outputs": {"regex": "[0-9]", "whitespace_pattern": " "}},
-     "structured_outputs.whitespace_pattern", "structured_outputs.whitespace_pattern: Extra "
-                                              "inputs are not permitted"),
+     "structured_outputs.whitespace_pattern",
+     "structured_outputs.whitespace_pattern: Extra inputs are not permitted"),
     ({"structured_outputs": {"regex": "[0-9]", "choice": ["1"]}}, "structured_outputs",
-     "structured_outputs must set exactly one of json, json_object, regex, choice and "
-     "grammar, got regex, choice"),
+     ("structured_outputs must set exactly one of json, json_object, regex, choice and "
+      "grammar, got regex, choice")),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {
         "type": "json_object"}}, "response_format",
      "tool_choice 'required' and response_format each constrain the output"),

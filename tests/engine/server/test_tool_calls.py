@@ -112,7 +112,7 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
          {"type": "function", "function": {"name": "time"}}]
 
 
-def plan(choice: object, parser: str | None = "hermes", **fields: object):  # noqa: ANN201
+def plan(choice: object, parser: str | None = "hermes", **fields: object):
     body = ChatCompletionRequest.model_validate({
         "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
         **({} if choice is None else {"tool_choice": choice}), **fields})
@@ -135,9 +135,9 @@ def test_tool_choice_modes_and_their_constraints() -> None:
 
 
 @pytest.mark.parametrize(("choice", "parser", "fields", "message"), [
-    ("auto", None, {}, "tool_choice 'auto' (the default with tools) needs a parser of the "
-                       "model's tool-call format, and this server has none: start it with "
-                       "--tool-call-parser (hermes)"),
+    ("auto", None, {}, ("tool_choice 'auto' (the default with tools) needs a parser of the "
+                        "model's tool-call format, and this server has none: start it with "
+                        "--tool-call-parser (hermes)")),
     (None, None, {}, "tool_choice 'auto' (the default with tools) needs a parser"),
     ("sometimes", "hermes", {}, "tool_choice must be 'none', 'auto', 'required' or"),
     ({"type": "function", "function": {"name": "nope"}}, "hermes", {},

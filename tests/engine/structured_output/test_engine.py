@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Self
 
 import jsonschema
 import pytest
@@ -133,8 +134,8 @@ class SamplerSpy:
         self.forward = self.sampler.forward
         self.calls: list[tuple[int, int | None]] = []
 
-    def __enter__(self) -> SamplerSpy:
-        def record(logits, metadata: SamplingMetadata):  # noqa: ANN001, ANN202
+    def __enter__(self) -> Self:
+        def record(logits, metadata: SamplingMetadata):
             bitmask = metadata.grammar_bitmask
             self.calls.append((metadata.num_rows, None if bitmask is None else bitmask.shape[0]))
             return self.forward(logits, metadata)

@@ -10,7 +10,6 @@ import pytest
 from kvferry.engine.frontend.tokenizer import Tokenizer
 from kvferry.engine.sampling_params import StructuredOutputsParams
 from kvferry.engine.structured_output.grammar import GrammarCompiler, read_tokenizer_json
-
 from kvferry_testing.checkpoints import EOS_ID
 
 
