@@ -6,11 +6,13 @@ A constrained request's life in the core:
 1. `add_request` hands its constraint to a compile thread (each distinct constraint is
    compiled once, then copied); the request waits, unscheduled, until the grammar is
    ready (vLLM's WAITING_FOR_FSM), so a slow compile holds no step back;
-2. `start` gives it its matcher, advanced over any output it already has;
+2. `start` gives it its matcher, advanced over any output it already has (none in practice:
+   a decode pod samples the first token again from the pulled KV, so its grammar runs from
+   the start of the output, as the prefill pod's did);
 3. each step that samples it, `start_bitmask` (called right after scheduling) fills its row
    of the step's bitmask on a worker thread while the forward pass runs; the runner waits
    for it just before sampling, and the sampler sets the logits of disallowed tokens to
-   -inf (engine/structured_output/bitmask.py);
+   -inf (engine/sample/bitmask.py);
 4. `accept_token` advances the matcher by the sampled token; when the grammar is complete
    (nothing more may follow) the request ends with finish_reason "stop".
 
@@ -22,9 +24,8 @@ called (the scheduler's list is empty), so unconstrained serving runs exactly as
 
 from __future__ import annotations
 
-import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,9 +37,6 @@ from kvferry.engine.structured_output.grammar import GrammarCompiler, read_token
 if TYPE_CHECKING:
     import llguidance
     from kvferry.engine.core.request import Request
-
-logger = logging.getLogger(__name__)
-
 
 def num_bitmask_words(vocab_size: int) -> int:
     """int32 words per bitmask row: one bit per token id."""
@@ -152,8 +150,6 @@ class StructuredOutputManager:
         pending = [r.grammar.compiled for r in self.requests.values()
                    if r.grammar is not None and not r.grammar.is_compiled]
         if pending:
-            from concurrent.futures import FIRST_COMPLETED, wait
-
             wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     # ------------------------------------------------------------------ each step

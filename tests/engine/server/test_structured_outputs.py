@@ -196,6 +196,22 @@ def test_auto_tool_choice_with_a_parser_answers_the_models_text(client: openai.O
         assert answer["finish_reason"] == "length"
 
 
+def test_auto_tool_choice_parses_a_hermes_call_out_of_the_text(client: openai.OpenAI) -> None:
+    # The model is made to write a Hermes block (a choice constraint beside tool_choice
+    # auto): the parser turns it into a call, and the text around it into content.
+    text = ('Checking. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris", '
+            '"unit": "celsius", "days": 2}}</tool_call>')
+    for stream in (False, True):
+        answers = chat(client, stream=stream, n=2, max_tokens=100, tools=[WEATHER, TIME],
+                       messages=[{"role": "user", "content": "Weather in Paris?"}],
+                       extra_body={"guided_choice": [text]})
+        for answer in answers:
+            assert answer["content"] == "Checking. " and answer["finish_reason"] == "tool_calls"
+            [(call_id, name, arguments)] = answer["tool_calls"]
+            assert call_id.startswith("call_") and name == "get_weather"
+            assert json.loads(arguments) == {"city": "Paris", "unit": "celsius", "days": 2}
+
+
 def test_history_with_calls_and_tool_answers_is_served(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "Weather in Paris?"},
                 {"role": "assistant", "content": None, "tool_calls": [
