@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +23,7 @@ import httpx
 import openai
 import pytest
 import yaml
+from kvferry.engine.models.source import resolve_model_source
 from kvferry.router.config import RouterSettings
 from kvferry.router.prefix_index import prompt_block_hashes
 from kvferry_testing.procs import Proc, free_port, wait_http
@@ -506,6 +509,123 @@ def test_up_with_a_url_secret_and_no_redis_url_says_how_to_run_it(tmp_path: Path
         "kvferry up: error: spec.redis.urlSecret names key 'url' of Secret 'shared-redis', "
         "which a local run cannot read: set KVFERRY_REDIS_URL to that Redis URL, or give the "
         "URL as spec.redis.url\n")
+
+
+# ------------------------------------------------------------------------------- failing fast
+def run_up(manifest: dict, tmp: Path, env: dict[str, str] | None = None, timeout_s: float = 120
+           ) -> tuple[subprocess.CompletedProcess[str], float]:
+    """`kvferry up -f` of `manifest` to its end; the result and how long it took."""
+    path = tmp / "service.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "kvferry.cli", "up", "-f", str(path),
+                           "--port", str(free_port())], capture_output=True, text=True,
+                          timeout=timeout_s, env={**os.environ, **(env or {})})
+    return done, time.monotonic() - began
+
+
+def manifest_with(model: dict, engine: dict | None = None) -> dict:
+    return {"apiVersion": "kvferry.dev/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": "failing"},
+            "spec": {"model": model, "engine": engine or {}, "pools": {"decode": {"replicas": 1}}}}
+
+
+SOURCE_FIX = ("spec.model.source must name a checkpoint the engine can load: hostpath:///DIR "
+              "for an HF checkpoint directory on this machine (config.json of a supported "
+              "architecture, *.safetensors, tokenizer.json), hf://ORG/NAME where the hub is "
+              "reachable, or demo")
+
+
+def test_up_with_a_missing_model_path_exits_within_10_s_with_one_error(tmp_path: Path) -> None:
+    done, elapsed = run_up(manifest_with({"source": "hostpath:///nonexistent/model"}), tmp_path)
+    assert done.returncode == 2, done
+    assert elapsed < 10, elapsed
+    assert done.stdout == "", done
+    assert done.stderr == ("kvferry up: error: spec.model.source hostpath:///nonexistent/model: "
+                           f"/nonexistent/model does not exist. {SOURCE_FIX}\n")
+
+
+def test_up_with_a_model_the_engine_cannot_run_says_so_before_starting_anything(
+        tmp_path: Path) -> None:
+    model = tmp_path / "whisper"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["WhisperForConditionalGeneration"], "num_attention_heads": 4,
+        "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+        "vocab_size": 256}))
+    done, elapsed = run_up(manifest_with({"source": f"hostpath://{model}"}), tmp_path)
+    assert (done.returncode, done.stdout) == (2, ""), done
+    assert done.stderr == (
+        f"kvferry up: error: spec.model.source hostpath://{model}: {model}/config.json names the "
+        "architecture 'WhisperForConditionalGeneration', which the engine does not implement; "
+        f"supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM. {SOURCE_FIX}\n")
+    assert elapsed < 10, elapsed
+
+
+def test_a_tokenizer_given_in_the_extra_flags_is_the_pods_and_the_routers(tmp_path: Path) -> None:
+    from kvferry.operator.spec import parse_spec
+
+    from kvferry.up import check_model_source, pod_children, router_child
+
+    model = tmp_path / "weights-only"
+    shutil.copytree(Path(resolve_model_source("demo")), model)
+    (model / "tokenizer.json").unlink()
+    manifest = manifest_with({"source": f"hostpath://{model}"},
+                             {"extraArgs": ["--tokenizer", "demo"]})
+    spec = parse_spec(manifest)
+    assert check_model_source(spec) == str(model)
+    (pod,) = pod_children(spec, "redis://127.0.0.1:1", {}, model=str(model))
+    assert pod.args[pod.args.index("--model") + 1] == str(model)
+    assert pod.args[-2:] == ["--tokenizer", "demo"]
+    router = router_child(spec, "redis://127.0.0.1:1", "127.0.0.1", 8000, {}, "k" * 32,
+                          str(model))
+    assert router.args[router.args.index("--tokenizer") + 1] == "demo"
+    # Without it the checkpoint lacks what the pods need, and says so.
+    with pytest.raises(ValueError, match=f"{model} has no tokenizer.json"):
+        check_model_source(parse_spec(manifest_with({"source": f"hostpath://{model}"})))
+
+
+def test_up_with_a_hub_model_it_cannot_download_says_so_before_starting_anything(
+        tmp_path: Path) -> None:
+    done, elapsed = run_up(manifest_with({"source": "hf://org/model"}), tmp_path,
+                           env={"HF_HUB_OFFLINE": "1"})
+    assert (done.returncode, done.stdout) == (2, ""), done
+    assert done.stderr.splitlines()[-1] == (
+        "kvferry up: error: spec.model.source hf://org/model: cannot download 'org/model': "
+        f"HF_HUB_OFFLINE is set. {SOURCE_FIX}")
+    assert elapsed < 10, elapsed
+
+
+def test_up_of_the_whisper_example_without_the_hub_fails_at_once(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parents[1] / "examples" / "whisper.yaml"
+    done, elapsed = run_up(yaml.safe_load(example.read_text()), tmp_path,
+                           env={"HF_HUB_OFFLINE": "1", "KVFERRY_REDIS_URL": "redis://127.0.0.1:1/0"})
+    assert (done.returncode, done.stdout) == (2, ""), done
+    assert done.stderr.count("\n") == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1].startswith(
+        "kvferry up: error: spec.model.source hf://openai/whisper-large-v3: cannot download "
+        "'openai/whisper-large-v3': HF_HUB_OFFLINE is set."), done.stderr
+    assert elapsed < 10, elapsed
+
+
+def test_a_pod_that_crashes_before_it_is_ready_ends_up_within_30_s(tmp_path: Path) -> None:
+    manifest = manifest_with({"source": "demo", "maxModelLen": 512},
+                             {"extraArgs": ["--max-stop-strings", "0"]})
+    done, elapsed = run_up(manifest, tmp_path)
+    assert done.returncode == 1, done
+    assert elapsed < 30, (elapsed, done)
+    refusal = "kvferry serve: --max-stop-strings must be >= 1, got 0"
+    # Started three times, with backoff between, then the whole run stops.
+    assert done.stdout.count(f"[failing-decode-0] {refusal}\n") == 3, done.stdout
+    assert "[failing-decode-0] exited with 2 before it was ever ready (1 of 3); restarting " \
+           "in 1 s" in done.stdout
+    assert "[failing-decode-0] exited with 2 before it was ever ready (2 of 3); restarting " \
+           "in 2 s" in done.stdout
+    assert done.stderr.count("kvferry up: error: ") == 1, done.stderr
+    assert done.stderr.endswith(
+        "kvferry up: error: failing-decode-0 exited 3 times in a row before it was ready (last "
+        f"exit status 2); its last lines:\n  {refusal}\n"), done.stderr
+    assert "Traceback" not in done.stdout
 
 
 def metric(url: str, name: str, **labels: str) -> float:

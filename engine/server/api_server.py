@@ -278,7 +278,9 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> Response:
         reason = state.unavailable_reason()
         if reason is not None:
-            raise ApiError(503, reason, code="service_unavailable")
+            # No request log line: probes ask every second or so while a model loads, and
+            # the state behind the answer is logged where it changes.
+            return error_response(503, reason, code="service_unavailable")
         return Response(status_code=200)
 
     @app.get("/ping")

@@ -8,11 +8,33 @@ the router's view within one TTL; a pod that stops cleanly deletes its key at on
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 # A pod missing for this long is gone; it refreshes several times per TTL so that one slow
 # refresh (a busy event loop) does not drop it.
 REGISTRY_TTL_S = 3.0
+
+
+# The variable every kvferry command reads the service's Redis URL from when no flag gives
+# it, and the name the pods and the router read before (still read, with a warning).
+REDIS_URL_ENV = "KVFERRY_REDIS_URL"
+DEPRECATED_REDIS_URL_ENV = "REDIS_URL"
+
+
+def redis_url_from_environment(environ: Mapping[str, str]) -> str | None:
+    """$KVFERRY_REDIS_URL, else $REDIS_URL (with a deprecation warning), else None."""
+    url = environ.get(REDIS_URL_ENV, "").strip()
+    if url:
+        return url
+    url = environ.get(DEPRECATED_REDIS_URL_ENV, "").strip()
+    if not url:
+        return None
+    logging.getLogger("kvferry").warning(
+        "$%s is deprecated and will stop being read: set $%s instead",
+        DEPRECATED_REDIS_URL_ENV, REDIS_URL_ENV)
+    return url
 
 
 def pod_key_prefix(service: str) -> str:

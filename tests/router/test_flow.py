@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import json
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -284,6 +285,36 @@ def test_refusing_decode_pod_is_retried_on_the_other(pd: dict[str, Proc]) -> Non
     assert metric(pd["router"], "kvferry:router_retries_total", hop="decode") >= retries + 1
 
 
+def test_a_pod_error_reaches_the_client_as_the_pods_own_error_object(
+        pd: dict[str, Proc], tmp_path: Path, redis_url: str) -> None:
+    """Both decode pods answer 503: the client gets the last one's status and error object as
+    the pod sent it, not the router's 502 with the pod's JSON escaped inside its message."""
+    # A router of its own: the pods it finds failing are set aside by it alone.
+    router = router_process(tmp_path, redis_url, SERVICE)
+    decodes = ("decode-0", "decode-1")
+    try:
+        wait_pools(router, {"decode": list(decodes), "prefill": ["prefill-0"]})
+        for pod in decodes:
+            set_behaviour(pd[pod], "refuse")
+        response = httpx.post(f"http://127.0.0.1:{router.port}/v1/completions",  # type: ignore[attr-defined]
+                              json={"model": "fake", "prompt": "p"}, timeout=30)
+    finally:
+        for pod in decodes:
+            set_behaviour(pd[pod], "ok")
+        router.stop()
+    assert response.status_code == 503, response.text
+    assert response.json() == {"error": {"message": "refusing"}}
+    assert response.headers["x-request-id"]
+
+
+def test_version_says_the_routers_release(pd: dict[str, Proc]) -> None:
+    import kvferry
+
+    response = httpx.get(f"http://127.0.0.1:{pd['router'].port}/version")  # type: ignore[attr-defined]
+    assert response.status_code == 200
+    assert response.json() == {"version": kvferry.__version__}
+
+
 def test_decode_dying_mid_stream_ends_with_an_error_event(pd: dict[str, Proc]) -> None:
     for pod in ("decode-0", "decode-1"):
         set_behaviour(pd[pod], "cut")
@@ -549,3 +580,9 @@ def test_sigterm_lets_a_request_in_flight_finish(pd: dict[str, Proc], tmp_path: 
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == " a b c"
     assert "Traceback" not in router.log(), router.log()
+    # The router says what it waits for: at the signal, then each second of the drain.
+    log = router.log()
+    assert "kvferry.router: SIGTERM: draining 1 request (/v1/completions 1) in flight for up " \
+           "to 30 s; new connections are refused" in log, log
+    assert len(re.findall(r"kvferry.router: draining: 1 request \(/v1/completions 1\) in "
+                          r"flight, \d+ s left", log)) >= 2, log

@@ -281,6 +281,19 @@ def test_stop_string_limits_default_to_64_strings_and_16_kib() -> None:
         "--max-stop-strings must be >= 1, got 0")
 
 
+def test_the_redis_url_comes_from_kvferry_redis_url_or_the_deprecated_name(
+        caplog: pytest.LogCaptureFixture) -> None:
+    assert pod_environment({"KVFERRY_REDIS_URL": "redis://new:6379/0"}).redis_url == \
+        "redis://new:6379/0"
+    assert caplog.messages == []
+    with caplog.at_level("WARNING"):
+        assert pod_environment({"REDIS_URL": "redis://old:6379/0"}).redis_url == \
+            "redis://old:6379/0"
+    assert caplog.messages == ["$REDIS_URL is deprecated and will stop being read: set "
+                               "$KVFERRY_REDIS_URL instead"]
+    assert pod_environment({}).redis_url is None
+
+
 def test_a_kv_host_this_machine_does_not_hold_is_a_usage_error_at_start() -> None:
     done = subprocess.run([sys.executable, "-m", "kvferry.cli", "serve", "--model", "demo",
                            "--role", "prefill", "--kv-host", "192.0.2.254"],
