@@ -19,7 +19,8 @@ def unpack_disallowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
         raise ValueError(f"a bitmask of {num_words} words covers {num_words * 32} tokens, "
                          f"fewer than the vocabulary's {vocab_size}")
     as_bytes = bitmask.contiguous().view(torch.uint8)  # (num_rows, num_words * 4)
-    bits = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=bitmask.device)
+    # Made on the device (a kernel, not a host-to-device copy the host would wait on).
+    bits = 1 << torch.arange(8, dtype=torch.uint8, device=bitmask.device)
     ruled_out = (as_bytes.unsqueeze(-1) & bits) == 0  # (num_rows, num_words * 4, 8)
     return ruled_out.view(num_rows, num_words * 32)[:, :vocab_size]
 
