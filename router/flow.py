@@ -498,7 +498,13 @@ def _tokenize_query(endpoint: str, body: dict[str, Any]) -> dict[str, Any] | Non
     model = body.get("model")
     if endpoint.endswith("/chat/completions"):
         messages = body.get("messages")
-        return {"model": model, "messages": messages} if isinstance(messages, list) else None
+        if not isinstance(messages, list):
+            return None
+        query = {"model": model, "messages": messages}
+        # The chat template renders the tools too (the pod's /tokenize takes them).
+        if isinstance(body.get("tools"), list) and body["tools"]:
+            query["tools"] = body["tools"]
+        return query
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]

@@ -74,8 +74,8 @@ class LLM:
         """Generates completions for every prompt; returns them in input order.
 
         A prompt is a string, a list of token ids, `{"prompt": text}` or
-        `{"prompt_token_ids": ids}`. All prompts are validated before any runs, so a bad
-        one raises ValueError and nothing is queued.
+        `{"prompt_token_ids": ids}`. All prompts and structured-output constraints are
+        validated before any runs, so a bad one raises ValueError and nothing is queued.
         """
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
@@ -83,6 +83,8 @@ class LLM:
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
         engine = self.llm_engine
         processed = [engine.process_prompt(p) for p in prompt_list]
+        for p in params:
+            engine.input_processor.check_structured_outputs(p)
         request_ids = []
         for i, (prompt, p) in enumerate(zip(processed, params)):
             request_id = engine.next_request_id()

@@ -39,6 +39,7 @@ from kvferry.engine.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    conversation_of,
     now,
 )
 from kvferry.engine.server.serving import check_model
@@ -233,9 +234,9 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
         assert engine is not None
         check_model(body.model, state.served_model_name)
         if body.messages is not None:
-            conversation = [{"role": m.role, "content": m.text(i)}
-                            for i, m in enumerate(body.messages)]
-            text = chat_text(state, engine, conversation, body.add_generation_prompt)
+            tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+            text = chat_text(state, engine, conversation_of(body.messages),
+                             body.add_generation_prompt, {"tools": tools} if tools else None)
             add_special_tokens = False  # the template holds them
         elif body.prompt is not None:
             text, add_special_tokens = body.prompt, body.add_special_tokens

@@ -20,6 +20,7 @@ from kvferry.engine.server.state import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_STOP_BYTES,
     DEFAULT_MAX_STOP_STRINGS,
+    TOOL_CALL_PARSERS,
 )
 from kvferry.kvtransfer.args import (
     add_kv_transfer_arguments,
@@ -64,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--chat-template", default=None, metavar="FILE",
                         help="Jinja chat template (a file or the template text) "
                              "(default: the tokenizer's)")
+    server.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                        help="the model's tool-call format, parsed out of its output for "
+                             "tool_choice 'auto' (hermes: <tool_call>{...}</tool_call>); "
+                             "without it 'auto' is refused (default: none)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="vLLM's spelling: accepted with --tool-call-parser, which is "
+                             "what enables tool_choice 'auto' (default: off)")
     server.add_argument("--max-num-waiting", type=int, default=None, metavar="N",
                         help="answer 429 while N or more requests wait for the engine "
                              "(default: no limit)")
@@ -154,6 +162,9 @@ def check_supported(args: argparse.Namespace) -> str | None:
     if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
         return ("tensor and pipeline parallelism are not available yet; "
                 "--tensor-parallel-size and --pipeline-parallel-size must be 1")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        return ("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call "
+                f"format: {', '.join(TOOL_CALL_PARSERS)})")
     if args.max_body_bytes < 1024:
         return f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}"
     if args.max_stop_strings < 1:
@@ -218,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
         )
         settings = ServerSettings(
             host=args.host, port=args.port, api_key=read_api_key(args, os.environ),
-            chat_template=args.chat_template, max_num_waiting=args.max_num_waiting,
+            chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
+            max_num_waiting=args.max_num_waiting,
             max_body_bytes=args.max_body_bytes, max_stop_strings=args.max_stop_strings,
             max_stop_bytes=args.max_stop_bytes, drain_timeout_s=args.drain_timeout, log_prompts=args.log_prompts,
             uvicorn_log_level=args.uvicorn_log_level,

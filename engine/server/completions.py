@@ -42,6 +42,7 @@ from kvferry.engine.server.serving import (
     sub_request_ids,
 )
 from kvferry.engine.server.state import ServerState
+from kvferry.engine.server.structured import check_constraint, constraint_of
 from kvferry.kvtransfer.params import KVTransferParams
 
 from kvferry.protocol.errors import error_body
@@ -61,6 +62,8 @@ class CompletionJob:
     record: RequestRecord
     # The body's kv_transfer_params as admitted (None: none, or refused and computed here).
     kv_transfer_params: KVTransferParams | None = None
+    # The field that constrains the output (the param of a constraint's errors).
+    constraint_param: str | None = None
 
     @property
     def request_ids(self) -> list[str]:
@@ -84,6 +87,7 @@ async def create_completion(
     state: ServerState, body: CompletionRequest, request: Request
 ) -> Response:
     job = prepare(state, body, request)
+    await check_constraint(job.engine, job.params, job.constraint_param)
     if body.stream:
         return StreamingResponse(stream_completion(job, request), media_type="text/event-stream")
     return JSONResponse((await collect_completion(job, request)).model_dump())
@@ -95,7 +99,8 @@ def prepare(state: ServerState, body: CompletionRequest, request: Request) -> Co
     record = RequestRecord(request.state.request_id, "completions")
     check_model(body.model, state.served_model_name)
     check_stop_limits(body.stop, state.settings.max_stop_strings, state.settings.max_stop_bytes)
-    params = body.to_sampling_params()
+    constraint = constraint_of(body)
+    params = body.to_sampling_params(None if constraint is None else constraint.params)
     prompts = [_process(engine, p, body.add_special_tokens) for p in body.prompts()]
     check_request_fits(engine, prompts, params, "max_tokens")
     check_queue_room(engine, state.settings.max_num_waiting)
@@ -109,7 +114,8 @@ def prepare(state: ServerState, body: CompletionRequest, request: Request) -> Co
     if state.settings.log_prompts:
         record.prompt_text = " | ".join(p.prompt or str(p.prompt_token_ids) for p in prompts)
     return CompletionJob(body, engine, random_id("cmpl"), state.served_model_name, now(),
-                         prompts, params, record, kv_transfer_params)
+                         prompts, params, record, kv_transfer_params,
+                         None if constraint is None else constraint.param)
 
 
 def _process(engine: AsyncLLM, prompt: str | list[int], add_special_tokens: bool) -> ProcessedPrompt:

@@ -105,6 +105,42 @@ def test_long_prompt_goes_through_prefill_with_the_router_params(pd: dict[str, P
     assert decoded[0]["kv_transfer_params"]["remote_host"] == "127.0.0.1"
 
 
+STRUCTURED = {
+    "/v1/completions": {"prompt": LONG_PROMPT, "guided_regex": "[0-9]+",
+                        "response_format": {"type": "json_object"}},
+    "/v1/chat/completions": {
+        "messages": [{"role": "user", "content": LONG_PROMPT}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object"}}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+        "parallel_tool_calls": False},
+}
+
+
+@pytest.mark.parametrize("endpoint", sorted(STRUCTURED))
+def test_both_hops_carry_the_constraint_fields_unchanged(pd: dict[str, Proc],
+                                                         endpoint: str) -> None:
+    """The prefill pod samples the first token under the request's grammar and the decode
+    pod runs it from the start: both get every constraint and tool field as the client
+    sent it (and the router's /tokenize of a chat renders its tools too)."""
+    fields = {**STRUCTURED[endpoint], "model": "fake", "max_tokens": 5}
+    decodes = ("decode-0", "decode-1")
+    before = {pod: len(received(pd[pod])) for pod in ("prefill-0", *decodes)}
+    answer = httpx.post(f"http://127.0.0.1:{pd['router'].port}{endpoint}", json=fields,  # type: ignore[attr-defined]
+                        headers={"Authorization": "Bearer key-one"}, timeout=10)
+    assert answer.status_code == 200, answer.text
+    [prefill_body] = received(pd["prefill-0"])[before["prefill-0"]:]
+    [decode_body] = [b for pod in decodes for b in received(pd[pod])[before[pod]:]]
+    for body in (prefill_body, decode_body):
+        assert {k: body[k] for k in STRUCTURED[endpoint]} == STRUCTURED[endpoint]
+    assert "do_remote_prefill" in decode_body["kv_transfer_params"]
+    if endpoint == "/v1/chat/completions":
+        queries = [q for pod in ("prefill-0", *decodes) for q in httpx.get(
+            f"http://127.0.0.1:{pd[pod].port}/fake/tokenize_bodies").json()]  # type: ignore[attr-defined]
+        mine = [q for q in queries if q.get("messages") == fields["messages"]]
+        assert mine and all(q["tools"] == fields["tools"] for q in mine), queries
+
+
 def test_short_prompt_skips_prefill(pd: dict[str, Proc]) -> None:
     skips = metric(pd["router"], "kvferry:router_prefill_skips_total")
     before = len(received(pd["prefill-0"]))

@@ -53,6 +53,8 @@ class FakeEngine:
         self.num_tokenize_calls = 0
         # Seconds of Python work each generation request does on the event loop.
         self.loop_work_s = 0.0
+        # The /tokenize queries the pod was sent, in order.
+        self.tokenize_bodies: list[dict[str, Any]] = []
         # (host, port) of the connections generation requests came on.
         self.connections: set[tuple[str, int]] = set()
         # Set when it registers in Redis: its KV events go out through it.
@@ -92,10 +94,16 @@ class FakeEngine:
             await _send(send, 200, json.dumps(len(self.connections)).encode())
         elif path == "/fake/tokenize_calls":
             await _send(send, 200, json.dumps(self.num_tokenize_calls).encode())
+        elif path == "/fake/tokenize_bodies":
+            await _send(send, 200, json.dumps(self.tokenize_bodies).encode())
         elif path == "/tokenize":
             self.num_tokenize_calls += 1
-            prompt = json.loads(body).get("prompt") or ""
-            tokens = [len(word) for word in str(prompt).split()]
+            query = json.loads(body)
+            self.tokenize_bodies.append(query)
+            # One token per word of the prompt, or of the messages' text contents.
+            text = query.get("prompt") or " ".join(
+                str(m.get("content") or "") for m in query.get("messages") or ())
+            tokens = [len(word) for word in text.split()]
             await _send(send, 200, json.dumps({"tokens": tokens, "count": len(tokens)}).encode())
         elif path in ("/v1/completions", "/v1/chat/completions"):
             await self._generate(path, json.loads(body), send)
