@@ -1,6 +1,7 @@
 # The one image every kvferry pod runs: engine (`kvferry serve`), router (`kvferry router`)
-# and operator (`kvferry operator`). It installs the kvferry wheel with the `image` extra,
-# the set the README's set-up installs too; tests/image/ builds the same environment in CI.
+# and operator (`kvferry operator`). It installs the kvferry wheel with the `image` extra
+# (`serve`, `kvtransfer`, `operator`), which the tests' set-up installs too; tests/image/
+# builds the same environment in CI.
 #
 #   docker build -t ghcr.io/kvferry/kvferry:0.1.0 .
 #   docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 \

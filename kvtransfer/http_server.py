@@ -82,7 +82,8 @@ class BoundedHTTPServer:
         self.handler = handler
         self.limits = limits or ServerLimits()
         # Bound now, so the port is known (and taken) before start().
-        self._sock = socket.create_server((host, port), backlog=128)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, port), family=family, backlog=128)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._listening = threading.Event()

@@ -16,6 +16,14 @@ out, and a dead producer still fails a read at once (CMA errors when the peer is
 the killed-producer tests). "peer" stays available in `KVTransferConfig` for networks where
 it matters.
 
+Listeners. UCX's TCP transport listens on every network interface unless `UCX_NET_DEVICES`
+names some (interfaces.py), one listener per UCX worker. The agent is given the devices of
+its KV host (`net_devices`), and UCX reads them from the environment when the backend is
+created: the variable is set for that call only, so nothing else in the process (another
+agent, a child process) inherits it. A `UCX_NET_DEVICES` set by hand wins. NIXL's own
+listener thread (metadata exchange over a socket) stays off: peers get the metadata from
+the side channel.
+
 Split reads. One READ moves its bytes with one kernel copy (CMA, on one host), which runs at
 about half of what two cores copy: a large pull is therefore cut into `read_threads` READs
 of equal bytes, posted at once from as many threads on as many UCX workers (the agent runs
@@ -26,8 +34,11 @@ from 0.53 to about 0.9 of a plain copy's bandwidth on a 2-core host (benchmarks/
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import pairwise
@@ -41,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 # Pulls smaller than this go as one READ: splitting them saves less than it costs.
 SPLIT_MIN_BYTES = 16 * 1024 * 1024
+# The network devices UCX may use (interface names, RDMA "device:port"), comma-separated.
+UCX_NET_DEVICES_ENV = "UCX_NET_DEVICES"
 
 
 def _nixl() -> tuple[Any, Any, Any, tuple[type[Exception], ...]]:
@@ -98,7 +111,10 @@ class NixlBackend:
         progress_thread: bool = False,
         read_threads: int = 1,
         split_min_bytes: int = SPLIT_MIN_BYTES,
+        net_devices: str | None = None,
     ) -> None:
+        """`net_devices`: the only network devices UCX may listen and connect on (the KV
+        host's interface, see interfaces.py); None leaves UCX its default, every device."""
         if read_threads < 1:
             raise ValueError(f"read_threads must be >= 1, got {read_threads}")
         nixl_agent, nixl_agent_config, sync_modes, self._errors = _nixl()
@@ -108,11 +124,13 @@ class NixlBackend:
         # Overlapping data-path calls need the agent's reader/writer lock; one thread, none.
         sync = sync_modes.NIXL_THREAD_SYNC_RW if read_threads > 1 else None
         # No backend from the config: its UCX backend cannot take parameters there.
-        config = nixl_agent_config(backends=[], enable_prog_thread=progress_thread, sync_mode=sync)
+        config = nixl_agent_config(backends=[], enable_prog_thread=progress_thread,
+                                   enable_listen_thread=False, sync_mode=sync)
         self._agent = nixl_agent(agent_name, config)
         # One UCX worker per posting thread: reads posted on one worker copy one after another.
-        self._agent.create_backend("UCX", {"ucx_error_handling_mode": ucx_error_handling_mode,
-                                           "num_workers": str(read_threads)})
+        with ucx_net_devices_set(net_devices):
+            self._agent.create_backend("UCX", {"ucx_error_handling_mode": ucx_error_handling_mode,
+                                               "num_workers": str(read_threads)})
         # Threads that post a split read's other parts while the caller posts the first.
         self._posters = (ThreadPoolExecutor(read_threads - 1, thread_name_prefix="kvferry-read")
                          if read_threads > 1 else None)
@@ -267,6 +285,26 @@ class NixlBackend:
             return fn(*args)
         except self._errors as e:
             raise NixlError(f"{type(e).__name__}: {e}") from e
+
+
+@contextlib.contextmanager
+def ucx_net_devices_set(net_devices: str | None) -> Iterator[None]:
+    """`UCX_NET_DEVICES=net_devices` in this process's environment while UCX reads its
+    configuration, unless None or already set by hand (which wins, and is logged)."""
+    by_hand = os.environ.get(UCX_NET_DEVICES_ENV)
+    if net_devices is None or by_hand is not None:
+        if net_devices is not None and by_hand != net_devices:
+            logger.warning("%s=%s is set: UCX uses those network devices, not %s (the KV "
+                           "host's); its listeners follow them", UCX_NET_DEVICES_ENV, by_hand,
+                           net_devices)
+        yield
+        return
+    logger.info("UCX network devices: %s", net_devices)
+    os.environ[UCX_NET_DEVICES_ENV] = net_devices
+    try:
+        yield
+    finally:
+        del os.environ[UCX_NET_DEVICES_ENV]
 
 
 def split_descriptors(

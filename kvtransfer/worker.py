@@ -82,6 +82,7 @@ class KVConnectorWorker(KVConnectorWorkerBase):
         self._backend = NixlBackend(
             self.agent_name, self.config.ucx_error_handling_mode, self.config.nixl_progress_thread,
             self.config.read_threads, self.config.read_split_min_bytes,
+            self.config.ucx_net_devices,
         )
         self._regions = [self._backend.register(c) for c in caches]
         local = LocalIdentity(

@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="coordinate with other replicas through this kopf peering object "
                              "(default: standalone, one replica)")
     parser.add_argument("--liveness", metavar="URL", default=None,
-                        help="serve kopf's liveness probe here, e.g. http://0.0.0.0:8080/healthz")
+                        help="serve kopf's liveness probe here, e.g. http://0.0.0.0:8080/healthz "
+                             "(default: none)")
     parser.add_argument("--verbose", "-v", action="store_true", help="log every handler call")
     parser.add_argument("--debug", action="store_true", help="log API traffic too")
 

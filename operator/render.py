@@ -17,6 +17,7 @@ from kvferry.operator.render_pools import PodContext, render_pool
 from kvferry.operator.render_redis import redis_password_secret, render_redis
 from kvferry.operator.render_router import render_ingress, render_router
 from kvferry.operator.spec import InferenceServiceSpec
+from kvferry.protocol.registry import REDIS_URL_ENV
 
 
 @dataclass(frozen=True)
@@ -65,11 +66,11 @@ def render_config_map(spec: InferenceServiceSpec) -> dict[str, Any]:
 def redis_url(spec: InferenceServiceSpec) -> str:
     """The `--redis` argument: an env-var reference the kubelet expands, or the given URL.
 
-    Pods get `REDIS_URL` (external Secret) or `REDIS_PASSWORD` (managed Redis) from
+    Pods get `KVFERRY_REDIS_URL` (external Secret) or `REDIS_PASSWORD` (managed Redis) from
     `redis_env`; `$(VAR)` in container args is expanded by Kubernetes, never by a shell.
     """
     if spec.redis.url_secret is not None:
-        return "$(REDIS_URL)"
+        return f"$({REDIS_URL_ENV})"
     if spec.redis.url is not None:
         return spec.redis.url
     host = f"{child_name(spec.name, 'redis')}.{spec.namespace}.svc"
@@ -80,7 +81,7 @@ def redis_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     """Environment variables that `redis_url` refers to."""
     if spec.redis.url_secret is not None:
         ref = spec.redis.url_secret
-        return [_secret_env("REDIS_URL", ref.name, ref.key)]
+        return [_secret_env(REDIS_URL_ENV, ref.name, ref.key)]
     if spec.redis.is_managed:
         return [_secret_env("REDIS_PASSWORD", redis_password_secret(spec.name), "password")]
     return []

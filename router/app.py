@@ -7,14 +7,17 @@ a new one), checks the API key and refuses bodies over the size limit before the
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import itertools
 import json
 import logging
 import re
+import signal
 import uuid
 from collections.abc import AsyncGenerator, Coroutine, Iterator
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -27,6 +30,7 @@ from kvferry.router.hops import TRANSPORT_ERRORS, HopError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+import kvferry
 from kvferry.http_protocol import uvicorn_options
 from kvferry.protocol.errors import error_body, http_error_message
 from kvferry.protocol.request_checks import InvalidRequest
@@ -74,6 +78,8 @@ class Gate:
         # routers and restarts, without a uuid4's urandom call and object per request).
         self._id_prefix = uuid.uuid4().hex[:16]
         self._id_counter = itertools.count()
+        # Requests being answered, by path: what a drain waits for.
+        self.in_flight: collections.Counter[str] = collections.Counter()
 
     def _new_id(self) -> str:
         return f"{self._id_prefix}{next(self._id_counter):016x}"
@@ -82,11 +88,28 @@ class Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        path = scope["path"]
+        self.in_flight[path] += 1
+        try:
+            await self._handle(path, scope, receive, send)
+        finally:
+            self.in_flight[path] -= 1
+            if not self.in_flight[path]:
+                del self.in_flight[path]
+
+    def describe_in_flight(self) -> str:
+        """What is being answered now, e.g. "3 requests (/v1/completions 2, /tokenize 1)"."""
+        total = sum(self.in_flight.values())
+        if not total:
+            return "no request"
+        paths = ", ".join(f"{path} {n}" for path, n in self.in_flight.most_common())
+        return f"{total} request{'s' if total > 1 else ''} ({paths})"
+
+    async def _handle(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
         headers = dict(scope.get("headers", ()))
         given = headers.get(b"x-request-id", b"").decode("latin-1")
         request_id = given if given and _REQUEST_ID_PATTERN.match(given) else self._new_id()
         scope.setdefault("state", {})["request_id"] = request_id
-        path = scope["path"]
         refusal = self._refusal(path, headers)
         if refusal is not None:
             await refusal(scope, receive, send)
@@ -147,6 +170,9 @@ class Gate:
             return
         except HopError as exc:
             router.metrics.requests.labels(endpoint, str(exc.status)).inc()
+            if exc.pod_error is not None:  # the pod's own error object, as the pod sent it
+                await _send_json(send, exc.status, exc.pod_error, request_id)
+                return
             await _send_error(send, exc.status, str(exc), exc.code, request_id)
             return
         except InvalidRequest as exc:  # refused as the engine pods refuse it
@@ -302,6 +328,11 @@ async def _send_error(send: Send, status: int, message: str, code: str | None, r
                       extra_headers: list[tuple[bytes, bytes]] | None = None,
                       param: str | None = None) -> None:
     body = json.dumps(error_body(status, message, param, code)).encode()
+    await _send_json(send, status, body, request_id, extra_headers)
+
+
+async def _send_json(send: Send, status: int, body: bytes, request_id: str,
+                     extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
         (b"x-request-id", request_id.encode("latin-1")), *(extra_headers or ())]})
@@ -368,7 +399,10 @@ def _add_passthrough_routes(app: FastAPI, router: Router) -> None:
         except BodyTooLarge:
             return _too_large(router.settings.max_body_bytes)
         except TRANSPORT_ERRORS as exc:
-            router.pods.mark_failed(pod)
+            if isinstance(exc, aiohttp.ClientConnectorError):  # nothing serves there
+                router.pods.drop_unreachable(pod)
+            else:
+                router.pods.mark_failed(pod)
             return error_json(502, f"pod {pod.name} failed: {type(exc).__name__}",
                               code="bad_gateway")
         return Response(content, status_code=response.status,
@@ -399,6 +433,10 @@ def _add_probe_routes(app: FastAPI, router: Router) -> None:
     async def ping() -> Response:
         return Response(status_code=200)
 
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": kvferry.__version__})
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(router.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
@@ -415,6 +453,47 @@ class CleanExitServer(uvicorn.Server):
             self._captured_signals.clear()
 
 
+class RouterServer(CleanExitServer):
+    """The router's server: while it drains it says, at the signal and then every second,
+    what is still in flight."""
+
+    def __init__(self, config: uvicorn.Config, gate: Gate, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.gate = gate
+        self.drain_timeout_s = drain_timeout_s
+        self._drain_log: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit and not self.gate.in_flight:
+            logger.info("%s: no request in flight; stopping", signal.Signals(sig).name)
+        elif not self.should_exit:
+            logger.info("%s: draining %s in flight for up to %g s; new connections are "
+                        "refused", signal.Signals(sig).name, self.gate.describe_in_flight(),
+                        self.drain_timeout_s)
+            # A signal handler interrupts the loop anywhere: the task starts from the loop.
+            with contextlib.suppress(RuntimeError):  # no loop runs in this thread
+                asyncio.get_running_loop().call_soon_threadsafe(self._start_drain_log)
+        super().handle_exit(sig, frame)
+
+    def _start_drain_log(self) -> None:
+        self._drain_log = asyncio.ensure_future(self._log_drain())
+
+    async def _log_drain(self) -> None:
+        deadline = asyncio.get_running_loop().time() + self.drain_timeout_s
+        while True:
+            await asyncio.sleep(1.0)
+            if not self.gate.in_flight:
+                logger.info("drained: no request in flight")
+                return
+            left = deadline - asyncio.get_running_loop().time()
+            logger.info("draining: %s in flight, %.0f s left", self.gate.describe_in_flight(),
+                        max(left, 0.0))
+
+    def stop_drain_log(self) -> None:
+        if self._drain_log is not None:
+            self._drain_log.cancel()
+
+
 def serve(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> int:
     """Runs the router until SIGTERM/SIGINT; returns the exit code."""
     try:
@@ -428,7 +507,8 @@ def serve(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> int:
 async def _serve(settings: RouterSettings, tokenizer: Tokenizer | None) -> int:
     router = Router(settings, tokenizer)
     await router.start()
-    config = uvicorn.Config(build_app(router), host=settings.host, port=settings.port,
+    gate = build_app(router)
+    config = uvicorn.Config(gate, host=settings.host, port=settings.port,
                             log_level=settings.uvicorn_log_level, access_log=False,
                             lifespan="off",
                             # SIGTERM stops new connections; requests in flight may finish.
@@ -437,12 +517,13 @@ async def _serve(settings: RouterSettings, tokenizer: Tokenizer | None) -> int:
                             # no `server` header: both would cost work on every request.
                             proxy_headers=False, server_header=False,
                             **uvicorn_options(settings.http_limits))
-    server = CleanExitServer(config)
+    server = RouterServer(config, gate, settings.drain_timeout_s)
     logger.info("routing service %s on http://%s:%d (policies: %s)", settings.service,
                 settings.host, settings.port,
                 ", ".join(f"{k}={v}" for k, v in settings.policies.items()))
     try:
         await server.serve()
     finally:
+        server.stop_drain_log()
         await router.stop()
     return 0 if server.started else 1

@@ -2,8 +2,8 @@
 
 The operator renders `kvferry router --service NAME --redis URL --host H --port P
 [--api-key-file F]` with the service's ConfigMap (KVFERRY_ROUTING_<POOL>, ...),
-REDIS_URL or REDIS_PASSWORD and KVFERRY_KV_TRANSFER_KEY in the environment; all of it is
-accepted here.
+KVFERRY_REDIS_URL or REDIS_PASSWORD and KVFERRY_KV_TRANSFER_KEY in the environment; all of it
+is accepted here.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from kvferry.kvtransfer.args import read_transfer_key
 from kvferry.kvtransfer.auth import KEY_ENV, MIN_KEY_BYTES
 from kvferry.router.config import (
     DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_MAX_POD_CONNECTIONS,
+    DEFAULT_POD_GRACE_S,
     HopTimeouts,
     RouterSettings,
     policies_from_env,
@@ -24,6 +26,7 @@ from kvferry.router.config import (
 )
 
 from kvferry.http_limits import add_http_limit_arguments, http_limits_from_args
+from kvferry.protocol.registry import redis_url_from_environment
 
 # Sets --max-embeds-body-bytes where a command line cannot be changed (a service's router
 # or pools take it in their `env`).
@@ -35,11 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the InferenceService whose pods to route to "
                              "(default $KVFERRY_SERVICE)")
     parser.add_argument("--redis", default=None, metavar="URL",
-                        help="Redis holding the pod registry (default $REDIS_URL)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+                        help="Redis holding the pod registry (default $KVFERRY_REDIS_URL)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--api-key-file", default=None, metavar="FILE",
-                        help="accepted API keys, one per line (a mounted Secret)")
+                        help="accepted API keys, one per line (a mounted Secret; default: "
+                             "none)")
     parser.add_argument("--api-key", action="append", default=None,
                         help="an accepted API key (repeatable; default $KVFERRY_API_KEY)")
     parser.add_argument("--kv-transfer-key-file", default=None, metavar="FILE",
@@ -50,7 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the prefill hop when fewer prompt tokens than this are not "
                              "cached on the decode pod the decode policy picks (by the router's "
                              "prefix index, whatever the policy)")
-    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, metavar="N",
+                        help="answer 413 to a request body larger than N bytes, before "
+                             "reading it")
     # A string default goes through `type`, so a bad $KVFERRY_MAX_EMBEDS_BODY_BYTES is a
     # usage error.
     parser.add_argument("--max-embeds-body-bytes", type=int, metavar="N",
@@ -58,10 +64,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the larger limit of a /v1/completions body that carries "
                              f"prompt_embeds (default ${EMBEDS_LIMIT_ENV} or 32 MiB; the "
                              "pods take --max-embeds-body-bytes too)")
-    parser.add_argument("--connect-timeout", type=float, default=2.0, metavar="S")
-    parser.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S")
+    parser.add_argument("--connect-timeout", type=float, default=2.0, metavar="S",
+                        help="longest wait for a connection to a pod")
+    parser.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S",
+                        help="longest wait for a prefill pod's answer")
     parser.add_argument("--decode-timeout", type=float, default=120.0, metavar="S",
                         help="longest wait for the next chunk of a decode answer")
+    parser.add_argument("--pod-grace", type=float, default=DEFAULT_POD_GRACE_S, metavar="S",
+                        help="keep routing to a pod this long after its registry record went "
+                             "missing (a late refresh is not a dead pod; a pod that refuses "
+                             "a connection, or says it is leaving, is dropped at once) "
+                             f"(default {DEFAULT_POD_GRACE_S:g})")
+    parser.add_argument("--max-pod-connections", type=int, default=DEFAULT_MAX_POD_CONNECTIONS,
+                        metavar="N",
+                        help="the most connections open to one pod; requests beyond wait for "
+                             "one to come free, within --decode-timeout (or --prefill-timeout "
+                             f"for a prefill hop) (default {DEFAULT_MAX_POD_CONNECTIONS})")
     parser.add_argument("--tokenizer", default=None,
                         metavar="DIR",
                         help="the engines' tokenizer (their checkpoint directory, or demo): "
@@ -75,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM, seconds to let in-flight requests finish (default "
                              "$KVFERRY_DRAIN_SECONDS, the engine pods' drain, or 30)")
     parser.add_argument("--uvicorn-log-level", default="warning",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="log level of the HTTP server's own lines")
     add_http_limit_arguments(parser)
 
 
@@ -83,9 +102,9 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Rou
     """ValueError or OSError name what is wrong."""
     if not args.service:
         raise ValueError("--service (or $KVFERRY_SERVICE) is required")
-    redis_url = args.redis or environ.get("REDIS_URL")
+    redis_url = args.redis or redis_url_from_environment(environ)
     if not redis_url:
-        raise ValueError("--redis (or $REDIS_URL) is required")
+        raise ValueError("--redis (or $KVFERRY_REDIS_URL) is required")
     keys: set[str] = set(args.api_key or ())
     if args.api_key_file is not None:
         keys |= read_api_keys(args.api_key_file)
@@ -101,6 +120,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Rou
         tokenizer=args.tokenizer or environ.get("KVFERRY_ROUTER_TOKENIZER") or None,
         http_limits=http_limits_from_args(args),
         registry_key=read_transfer_key(args, environ),
+        pod_grace_s=args.pod_grace, max_pod_connections=args.max_pod_connections,
     )
 
 

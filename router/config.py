@@ -14,6 +14,14 @@ DEFAULT_POLICIES = {"encoder": "least-loaded", "prefill": "prefix-aware", "decod
 # On SIGTERM, seconds in-flight requests get to finish: the engine pods' default drain, so a
 # request the router holds may run as long as the pod serving it is allowed to.
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# How long a pod whose registry record is missing stays routable. Its record expires
+# REGISTRY_TTL_S after its last refresh, so a pod that vanished without a word (and is never
+# refused a connection, which drops it at once) is chosen for up to the sum of the two.
+DEFAULT_POD_GRACE_S = 5.0
+# Connections the router opens to one pod at most; hops beyond wait for one to come free.
+# The engines' default max_num_seqs is 256, and a pod that already runs that many queues the
+# rest anyway: 512 leaves it a visible waiting queue (the autoscaler's signal) as deep again.
+DEFAULT_MAX_POD_CONNECTIONS = 512
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,10 @@ class RouterSettings:
     timeouts: HopTimeouts = field(default_factory=HopTimeouts)
     # How often the router rereads the pod registry.
     registry_poll_s: float = 0.25
+    # How long a pod whose registry record is missing stays routable.
+    pod_grace_s: float = DEFAULT_POD_GRACE_S
+    # The most connections open to one pod; hops beyond wait for one.
+    max_pod_connections: int = DEFAULT_MAX_POD_CONNECTIONS
     uvicorn_log_level: str = "warning"
     # The engines' tokenizer (a checkpoint directory or `demo`): text completion prompts are
     # tokenized in the router instead of by a pod's /tokenize. None: always ask a pod.
@@ -77,6 +89,11 @@ class RouterSettings:
                              f"{self.prefill_threshold_tokens}")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
+        if not self.pod_grace_s >= 0:
+            raise ValueError(f"--pod-grace must be >= 0, got {self.pod_grace_s}")
+        if self.max_pod_connections < 1:
+            raise ValueError(f"--max-pod-connections must be >= 1, got "
+                             f"{self.max_pod_connections}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_embeds_body_bytes < 1024:

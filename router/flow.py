@@ -115,16 +115,19 @@ class Router:
         self.unknown_fields = UnknownFields("kvferry router")
         key = settings.registry_key
         self.pods = PodDirectory(settings.redis_url, settings.service, settings.registry_poll_s,
-                                 key, self._count_rejected)
+                                 key, self._count_rejected, settings.pod_grace_s,
+                                 self._count_dropped)
         self.index = PrefixIndex()
         self.kv_events = KVEventReader(settings.redis_url, settings.service, self.index, key,
                                        self._count_rejected)
         self.pods.on_leave.append(self.index.forget_pod)
         self.metrics.kv_events.set_function(lambda: self.kv_events.num_events)
+        self.metrics.pods_late.set_function(lambda: self.pods.num_late)
         self.policies = {pool: make_policy(name, self.index)
                          for pool, name in settings.policies.items()}
         self.client = make_client(settings.timeouts)
-        self.pod_client = PodClient()
+        self.pod_client = PodClient(settings.max_pod_connections)
+        self.metrics.connection_waits.set_function(lambda: self.pod_client.num_waiting)
         timeouts = settings.timeouts
         self._decode_timeout = HopTimeout(connect_s=timeouts.connect_s,
                                           read_s=timeouts.decode_read_s)
@@ -133,6 +136,9 @@ class Router:
 
     def _count_rejected(self, why: Rejection) -> None:
         self.metrics.registry_rejected.labels(why.value).inc()
+
+    def _count_dropped(self, pool: str, reason: str) -> None:
+        self.metrics.pods_dropped.labels(pool, reason).inc()
 
     async def start(self) -> None:
         self.pods.start()
@@ -555,7 +561,13 @@ def _tokenize_query(endpoint: str, body: dict[str, Any]) -> dict[str, Any] | Non
     model = body.get("model")
     if endpoint.endswith("/chat/completions"):
         messages = body.get("messages")
-        return {"model": model, "messages": messages} if isinstance(messages, list) else None
+        if not isinstance(messages, list):
+            return None
+        query = {"model": model, "messages": messages}
+        # The chat template renders the tools too (the pod's /tokenize takes them).
+        if isinstance(body.get("tools"), list) and body["tools"]:
+            query["tools"] = body["tools"]
+        return query
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]

@@ -3,11 +3,13 @@
 A hop is retried when its pod refuses the connection, times out before answering, answers
 429/5xx, or drops a stream before its first chunk: in each case the client has seen nothing
 yet. Once a whole answer's headers, or a stream's first chunk, are in, the router is
-committed to that pod.
+committed to that pod. A pod no connection can be opened to leaves the router's view at
+once; one that failed otherwise is set aside for a while.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import aiohttp
 from kvferry.router.config import HopTimeouts
 from kvferry.router.metrics import RouterMetrics
-from kvferry.router.pod_client import HopTimeout, PodClient, PodResponse
+from kvferry.router.pod_client import HopTimeout, PodClient, PodResponse, PodUnreachable
 from kvferry.router.pods import Pod, PodDirectory
 from kvferry.router.policies import Choice
 
@@ -24,12 +26,28 @@ RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
 
 
 class HopError(Exception):
-    """A hop failed on every pod it was tried on; `status` is what the client gets."""
+    """A hop failed on every pod it was tried on; `status` is what the client gets.
 
-    def __init__(self, message: str, status: int = 502, code: str = "bad_gateway") -> None:
+    `pod_error`: the last pod's own error body (an OpenAI error object, as it sent it) when
+    that pod answered with one; the client gets it unchanged, with the pod's status.
+    """
+
+    def __init__(self, message: str, status: int = 502, code: str = "bad_gateway",
+                 pod_error: bytes | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
+        self.pod_error = pod_error
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """Why one pod did not take the hop."""
+
+    message: str
+    # The pod's answer, when it gave one in OpenAI's error shape: its status and body.
+    status: int | None = None
+    body: bytes | None = None
 
 
 @dataclass
@@ -65,7 +83,7 @@ async def send_hop(client: PodClient, pods: PodDirectory, metrics: RouterMetrics
                    headers: dict[str, str], timeout: HopTimeout) -> HopResponse:
     """Sends `body` to a pod of `pool` chosen by `choose`; retries once on another pod."""
     tried: list[str] = []
-    last_error = f"no live pod in the {pool} pool"
+    failure = _Failure(f"no live pod in the {pool} pool")
     for attempt in range(2):
         candidates = [p for p in pods.pool(pool) if p.name not in tried]
         if not candidates:
@@ -75,19 +93,22 @@ async def send_hop(client: PodClient, pods: PodDirectory, metrics: RouterMetrics
         tried.append(pod.name)
         if attempt:
             metrics.retries.labels(hop).inc()
-        answer, last_error = await _try_pod(client, pods, metrics, hop, choice, path, body,
-                                            headers, timeout)
-        if answer is not None:
+        answer = await _try_pod(client, pods, metrics, hop, choice, path, body, headers, timeout)
+        if isinstance(answer, HopResponse):
             return answer
+        failure = answer
     if not tried:
         raise HopError(f"no pod can serve this request: the {pool} pool has no live pod",
                        status=503, code="service_unavailable")
-    raise HopError(f"the {pool} pool could not serve this request: {last_error}")
+    message = f"the {pool} pool could not serve this request: {failure.message}"
+    if failure.body is not None and failure.status is not None:
+        raise HopError(message, status=failure.status, pod_error=failure.body)
+    raise HopError(message)
 
 
 async def _try_pod(client: PodClient, pods: PodDirectory, metrics: RouterMetrics,
                    hop: str, choice: Choice, path: str, body: bytes, headers: dict[str, str],
-                   timeout: HopTimeout) -> tuple[HopResponse | None, str]:
+                   timeout: HopTimeout) -> HopResponse | _Failure:
     pod = choice.pod
     started = time.perf_counter()
     pod.num_routed += 1
@@ -95,21 +116,28 @@ async def _try_pod(client: PodClient, pods: PodDirectory, metrics: RouterMetrics
         response = await client.post(pod.url, path, body, headers, timeout)
     except TRANSPORT_ERRORS as exc:
         pod.num_routed -= 1
-        pods.mark_failed(pod)
+        if isinstance(exc, PodUnreachable):
+            pods.drop_unreachable(pod)
+        else:
+            pods.mark_failed(pod)
         metrics.hop_requests.labels(hop, "unreachable").inc()
-        return None, f"pod {pod.name} failed: {type(exc).__name__}: {exc}"
+        return _Failure(f"pod {pod.name} failed: {type(exc).__name__}: {exc}")
     metrics.hop_latency.labels(hop).observe(time.perf_counter() - started)
     if response.status in RETRYABLE_STATUSES:
         pod.num_routed -= 1
         try:
-            detail = (await response.read())[:300].decode(errors="replace")
+            raw: bytes | None = await response.read()
         except TRANSPORT_ERRORS as exc:
-            detail = f"(body lost: {type(exc).__name__})"
+            raw, detail = None, f"(body lost: {type(exc).__name__})"
         response.release()
         if response.status >= 500:
             pods.mark_failed(pod)
         metrics.hop_requests.labels(hop, str(response.status)).inc()
-        return None, f"pod {pod.name} answered {response.status}: {detail}"
+        if raw is not None and is_error_object(raw):
+            return _Failure(f"pod {pod.name} answered {response.status}", response.status, raw)
+        if raw is not None:
+            detail = raw[:300].decode(errors="replace")
+        return _Failure(f"pod {pod.name} answered {response.status}: {detail}")
     try:
         first_chunk = await _first_chunk(response)
     except TRANSPORT_ERRORS as exc:
@@ -117,10 +145,22 @@ async def _try_pod(client: PodClient, pods: PodDirectory, metrics: RouterMetrics
         pod.num_routed -= 1
         pods.mark_failed(pod)
         metrics.hop_requests.labels(hop, "unreachable").inc()
-        return None, f"pod {pod.name} failed before its first chunk: {type(exc).__name__}: {exc}"
+        return _Failure(f"pod {pod.name} failed before its first chunk: "
+                        f"{type(exc).__name__}: {exc}")
     metrics.hop_requests.labels(hop, str(response.status)).inc()
     # The caller releases the response, and `release` undoes num_routed then.
-    return HopResponse(pod, response, choice, first_chunk), ""
+    return HopResponse(pod, response, choice, first_chunk)
+
+
+def is_error_object(raw: bytes) -> bool:
+    """Whether a pod's body is an OpenAI error object (`{"error": {"message": ...}}`), which
+    the client may get as it is."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return False
+    return (isinstance(body, dict) and isinstance(body.get("error"), dict)
+            and isinstance(body["error"].get("message"), str))
 
 
 async def _first_chunk(response: PodResponse) -> bytes:

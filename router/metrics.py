@@ -77,6 +77,19 @@ class RouterMetrics:
             "Pod records and KV event batches in Redis the router ignored: malformed, "
             "unsigned or bad_signature (with the service's key), or out_of_range values",
             ["reason"], registry=r))
+        self.pods_dropped = Labelled(Counter(
+            "kvferry:router_pods_dropped",
+            "Pods taken out of routing, by pool and reason: left (their record said they "
+            "stop), refused (no connection could be opened to them) or expired (their record "
+            "missing for longer than the grace period)", ["pool", "reason"], registry=r))
+        self.pods_late = Gauge(
+            "kvferry:router_pods_late",
+            "Pods still routed to though their registry record is missing (within the "
+            "grace period)", registry=r)
+        self.connection_waits = Gauge(
+            "kvferry:router_hops_waiting_for_connection",
+            "Hops waiting for a connection to their pod to come free (the pod has "
+            "--max-pod-connections open)", registry=r)
         self.stream_errors = Counter("kvferry:router_stream_errors",
                                      "Answers cut off by a pod failing mid-stream", registry=r)
         self.unknown_request_fields = Counter(

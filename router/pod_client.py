@@ -1,30 +1,40 @@
 """A lean HTTP/1.1 client for the router's hops to the pods: keep-alive connections per pod,
 one request at a time on each, the answer's body handed on chunk by chunk as it arrives.
 
+At most `max_connections` are open to one pod; a hop beyond waits (FIFO) for one to come
+free, within its read timeout, so a thousand client connections reuse a bounded set of
+connections instead of opening a thousand at once against a busy pod.
+
 A hop is one POST whose answer is relayed; a general client (aiohttp) spends about 150 us
 of CPU on each, several times the cost of the bytes themselves, and at one stream that is
 most of the latency the router adds. This client writes the request in one `write` and
 parses the answer with httptools (the parser uvicorn uses); nothing else happens per request.
 
 Failures raise what the hops already treat as a pod being down: `ConnectionError` (an
-OSError) when a connection is refused, lost or speaks bad HTTP, `TimeoutError` when a
+OSError) when a connection is lost or speaks bad HTTP, its subclass `PodUnreachable` when
+none can be opened (refused, unreachable: nothing serves there), `TimeoutError` when a
 deadline passes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httptools
+from kvferry.router.config import DEFAULT_MAX_POD_CONNECTIONS
+from kvferry.router.connection_pool import ConnectionPool
 
-# Servers close idle keep-alive connections (uvicorn after 5 s); one idle longer than this
-# is closed rather than reused, so a request is never written into a closing connection.
-MAX_IDLE_S = 4.0
 # Past this many unread bytes the connection stops reading until the relay catches up.
 HIGH_WATER_BYTES = 1 << 20
+
+
+class PodUnreachable(ConnectionError):
+    """No connection could be opened to the pod: refused or unreachable, so nothing serves
+    at its address (a connect that only took too long is a TimeoutError)."""
 
 
 @dataclass(frozen=True)
@@ -173,10 +183,10 @@ class PodResponse:
     `iter_chunks`. `release` must follow: it returns the connection to the pool when the
     answer was read to its end, and closes it otherwise (the pod then stops the request)."""
 
-    def __init__(self, client: PodClient, key: tuple[str, int], conn: PodConnection,
+    def __init__(self, client: PodClient, pool: ConnectionPool, conn: PodConnection,
                  timeout: HopTimeout, deadline: float | None) -> None:
         self._client = client
-        self._key = key
+        self._pool = pool
         self._conn = conn
         self._timeout = timeout
         self._deadline = deadline
@@ -208,17 +218,31 @@ class PodResponse:
         if self._is_released:
             return
         self._is_released = True
-        self._client.put_back(self._key, self._conn)
+        self._client.put_back(self._pool, self._conn)
 
 
 class PodClient:
-    """Idle connections per pod address; requests never share a connection."""
+    """A connection pool per pod address; requests never share a connection."""
 
-    def __init__(self) -> None:
-        self._idle: dict[tuple[str, int], list[PodConnection]] = {}
+    def __init__(self, max_connections: int = DEFAULT_MAX_POD_CONNECTIONS) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        self.max_connections = max_connections
+        self._pools: dict[tuple[str, int], ConnectionPool] = {}
         # A pod's base URL -> (host, port, Host header value).
         self._addresses: dict[str, tuple[str, int, bytes]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def num_waiting(self) -> int:
+        """Hops waiting for a connection to come free, all pods together."""
+        return sum(len(pool.waiters) for pool in self._pools.values())
+
+    def num_open(self, base_url: str) -> int:
+        """Connections open (or being opened) to the pod at `base_url`."""
+        host, port, _ = self._address(base_url)
+        pool = self._pools.get((host, port))
+        return pool.num_open if pool is not None else 0
 
     async def post(self, base_url: str, path: str, body: bytes, headers: dict[str, str],
                    timeout: HopTimeout) -> PodResponse:
@@ -227,22 +251,71 @@ class PodClient:
         host, port, host_header = self._address(base_url)
         request = _request_bytes(path, host_header, headers, body)
         deadline = loop.time() + timeout.total_s if timeout.total_s is not None else None
-        key = (host, port)
-        conn = self._idle_connection(key, loop.time())
+        pool = self._pool((host, port))
+        conn = await self._acquire(pool, host, port, timeout, deadline)
         if conn is not None:
             try:
-                return await self._exchange(key, conn, request, timeout, deadline)
+                return await self._exchange(pool, conn, request, timeout, deadline)
             except ConnectionError:
                 if conn.num_received:
+                    pool.free_slot()
                     raise
                 # Closed by the pod as the request went out (an idle connection timing out
-                # there): the request was never read, so it goes again on a new connection.
-        conn = await self._connect(loop, host, port, timeout, deadline)
-        return await self._exchange(key, conn, request, timeout, deadline)
+                # there): the request was never read, so it goes again on a new connection,
+                # in the slot the closed one held.
+            except BaseException:
+                pool.free_slot()
+                raise
+        try:
+            conn = await self._connect(loop, host, port, timeout, deadline)
+            return await self._exchange(pool, conn, request, timeout, deadline)
+        except BaseException:
+            pool.free_slot()
+            raise
 
-    async def _exchange(self, key: tuple[str, int], conn: PodConnection, request: bytes,
+    async def _acquire(self, pool: ConnectionPool, host: str, port: int, timeout: HopTimeout,
+                       deadline: float | None) -> PodConnection | None:
+        """An idle connection, or None: a slot to open one. Waits while the pod has
+        `max_connections` busy, up to the hop's read timeout (waiting for a connection is
+        waiting for the pod's answer) or its deadline; TimeoutError past it."""
+        assert self._loop is not None
+        taken = pool.take(self._loop.time())
+        if taken is not False:
+            return taken  # type: ignore[return-value]
+        waiter: asyncio.Future[PodConnection | None] = self._loop.create_future()
+        pool.waiters.append(waiter)
+        limit = self.wait_s(timeout, deadline)
+        try:
+            async with asyncio.timeout(limit):
+                return await waiter
+        except BaseException as exc:
+            self._unwait(pool, waiter)
+            if isinstance(exc, TimeoutError):
+                raise TimeoutError(f"no connection to {host}:{port} came free within {limit} s "
+                                   f"({pool.max_connections} open, the most allowed)") from None
+            raise
+
+    def _unwait(self, pool: ConnectionPool, waiter: asyncio.Future[PodConnection | None]
+                ) -> None:
+        """A hop stops waiting (timed out, cancelled). A connection or slot handed to it
+        just before goes back to the pool, so none is lost."""
+        if not waiter.done() or waiter.cancelled():
+            # Cancelling this task cancelled the future it awaited too; either way it is
+            # still in the queue.
+            waiter.cancel()
+            with contextlib.suppress(ValueError):
+                pool.waiters.remove(waiter)
+        elif waiter.exception() is None:
+            handed = waiter.result()
+            if handed is None:
+                pool.free_slot()
+            else:
+                self.put_back(pool, handed)
+
+    async def _exchange(self, pool: ConnectionPool, conn: PodConnection, request: bytes,
                         timeout: HopTimeout, deadline: float | None) -> PodResponse:
-        """Sends the request on `conn` and waits for the answer's headers."""
+        """Sends the request on `conn` and waits for the answer's headers; on failure the
+        connection is closed and its slot stays with the caller."""
         conn.start(request)
         try:
             while not conn.is_headers_complete:
@@ -250,7 +323,7 @@ class PodClient:
         except BaseException:
             conn.close()
             raise
-        return PodResponse(self, key, conn, timeout, deadline)
+        return PodResponse(self, pool, conn, timeout, deadline)
 
     def wait_s(self, timeout: HopTimeout, deadline: float | None) -> float | None:
         """How long the next wait for bytes may last (the read timeout, or less when the
@@ -261,29 +334,21 @@ class PodClient:
         left = max(0.0, deadline - self._loop.time())
         return left if timeout.read_s is None else min(left, timeout.read_s)
 
-    def put_back(self, key: tuple[str, int], conn: PodConnection) -> None:
-        if not conn.is_reusable:
-            conn.close()
-            return
+    def put_back(self, pool: ConnectionPool, conn: PodConnection) -> None:
+        """A hop is done with `conn` (reused if its answer was read whole, else closed)."""
         assert self._loop is not None
-        conn.idle_since = self._loop.time()
-        self._idle.setdefault(key, []).append(conn)
+        pool.put_back(conn, self._loop.time())
 
     async def close(self) -> None:
-        for conns in self._idle.values():
-            for conn in conns:
-                conn.close()
-        self._idle.clear()
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
 
-    def _idle_connection(self, key: tuple[str, int], now: float) -> PodConnection | None:
-        """The most recently used live idle connection to `key`; stale ones are closed."""
-        conns = self._idle.get(key)
-        while conns:
-            conn = conns.pop()
-            if not conn.is_lost and now - conn.idle_since < MAX_IDLE_S:
-                return conn
-            conn.close()
-        return None
+    def _pool(self, key: tuple[str, int]) -> ConnectionPool:
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = ConnectionPool(self.max_connections)
+        return pool
 
     async def _connect(self, loop: asyncio.AbstractEventLoop, host: str, port: int,
                        timeout: HopTimeout, deadline: float | None) -> PodConnection:
@@ -296,6 +361,8 @@ class PodClient:
                 _, conn = await loop.create_connection(lambda: PodConnection(loop), host, port)
         except TimeoutError:
             raise TimeoutError(f"connecting to {host}:{port} took over {limit} s") from None
+        except OSError as exc:
+            raise PodUnreachable(f"cannot connect to {host}:{port}: {exc}") from exc
         return conn
 
     def _address(self, base_url: str) -> tuple[str, int, bytes]:

@@ -1,9 +1,18 @@
 """The router's view of the pods: the registry in Redis, reread every poll interval.
 
-A pod whose key expired is gone at the next poll. A pod that refused a connection is
-set aside locally for a short while, so requests do not keep trying it until its key
-expires. A record that does not verify with the service's key, or holds values no pod
-publishes, is no pod at all (kvferry.protocol.record_auth): it is ignored and counted.
+A pod leaves the view in one of three ways, each counted by `on_drop(pool, reason)`:
+
+- `left`: its record says it is leaving (it drains, or its engine died): at once.
+- `refused`: connecting to it failed (refused, unreachable): at once. Its record, still in
+  Redis until it expires, does not bring it back; a newer record does (the pod is back).
+- `expired`: its record has been missing from the registry for the grace period. A record
+  can be late without the pod being gone (a refresh held up on a loaded machine, Redis
+  restarted and not yet refilled), and a pod that serves keeps serving meanwhile.
+
+A pod that failed otherwise (a timeout, a 5xx) is set aside locally for a short while, so
+requests do not keep trying it. A record that does not verify with the service's key, or
+holds values no pod publishes, is no pod at all (kvferry.protocol.record_auth): it is
+ignored and counted.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvferry.kvtransfer.auth import TransferKey
+from kvferry.router.config import DEFAULT_POD_GRACE_S
 from kvferry.router.redis_follower import RedisFollower
 
 from kvferry.protocol.record_auth import Rejection, check_record
@@ -21,8 +31,10 @@ from kvferry.protocol.registry import PodRecord, pod_key_prefix
 
 logger = logging.getLogger("kvferry.router.pods")
 
-# A pod that failed a connection is not chosen for this long (unless nothing else is left).
+# A pod that failed a request is not chosen for this long (unless nothing else is left).
 FAILED_POD_COOLDOWN_S = 5.0
+# Why a pod left the router's view (a metric label).
+LEFT, REFUSED, EXPIRED = "left", "refused", "expired"
 # Which pool a registered role serves in: a `both` pod is the decode pool of a
 # colocated service (the operator names its single pool `decode`).
 ROLE_POOL = {"both": "decode", "decode": "decode", "prefill": "prefill", "encoder": "encoder"}
@@ -35,6 +47,9 @@ class Pod:
     record: PodRecord
     # Requests this router has in flight on the pod (fresher than the pod's own numbers).
     num_routed: int = 0
+    # time.monotonic() of the first registry read that lacked the pod's record since it
+    # was last there; None while it is there.
+    missing_since: float | None = None
 
     @property
     def name(self) -> str:
@@ -49,12 +64,25 @@ class Pod:
         return ROLE_POOL.get(self.record.role, "decode")
 
 
+@dataclass
+class Refusal:
+    """A pod dropped because no connection could be opened to it."""
+
+    updated_at: float  # of its last record: read again, it does not bring the pod back
+    dropped_at: float  # time.monotonic() of the drop
+    # Whether a registry read begun after the drop has set `updated_at` (the pod may have
+    # refreshed its record between the router's last read and its death).
+    is_settled: bool = False
+
+
 class PodDirectory(RedisFollower):
     """Live pods by pool, refreshed from the registry in the background."""
 
     def __init__(self, redis_url: str, service: str, poll_s: float,
                  key: TransferKey | None = None,
-                 on_reject: Callable[[Rejection], None] | None = None) -> None:
+                 on_reject: Callable[[Rejection], None] | None = None,
+                 grace_s: float = DEFAULT_POD_GRACE_S,
+                 on_drop: Callable[[str, str], None] | None = None) -> None:
         super().__init__(redis_url)
         self._prefix = pod_key_prefix(service)
         # Records must verify with it; None (an insecure setup) takes unsigned ones.
@@ -65,7 +93,14 @@ class PodDirectory(RedisFollower):
         # every refresh is counted per new value, and one left in place is counted once.
         self._rejected: dict[bytes, bytes] = {}
         self.pause_s = self.retry_s = poll_s
+        # A pod whose record is missing stays routable this long.
+        self.grace_s = grace_s
+        # Called with (pool, reason) each time a pod leaves the view (a metric).
+        self._on_drop = on_drop
         self._pods: dict[str, Pod] = {}
+        # Pods dropped for a failed connection: their record, read again, does not bring
+        # them back; a newer one does.
+        self._refused: dict[str, Refusal] = {}
         # pool -> its pods, rebuilt at each registry read (requests read it, never build it).
         self._by_pool: dict[str, list[Pod]] = {}
         self._failed_until: dict[str, float] = {}
@@ -96,11 +131,26 @@ class PodDirectory(RedisFollower):
     def get(self, name: str) -> Pod | None:
         return self._pods.get(name)
 
+    @property
+    def num_late(self) -> int:
+        """Pods kept in the view though their record is missing (within the grace period)."""
+        return sum(1 for pod in self._pods.values() if pod.missing_since is not None)
+
     def mark_failed(self, pod: Pod) -> None:
         self._failed_until[pod.name] = time.monotonic() + FAILED_POD_COOLDOWN_S
 
+    def drop_unreachable(self, pod: Pod) -> None:
+        """Drops a pod that a connection could not be opened to, until it publishes a newer
+        record. A no-op for a pod already dropped (requests in flight on it fail alike)."""
+        if self._pods.get(pod.name) is not pod:
+            return
+        self._refused[pod.name] = Refusal(pod.record.updated_at, time.monotonic())
+        self._drop(pod.name, REFUSED)
+        self._index_pools()
+
     # ------------------------------------------------------------------ refreshing
     async def refresh(self) -> None:
+        started = time.monotonic()
         keys = [k async for k in self._redis.scan_iter(match=self._prefix + "*", count=1000)]
         values = await self._redis.mget(keys) if keys else []
         records = {}
@@ -117,7 +167,7 @@ class PodDirectory(RedisFollower):
                 continue
             records[parsed.pod] = parsed
         self._rejected = rejected
-        self._apply(records)
+        self._apply(records, started)
         self.is_connected = True
 
     def _parse(self, key: bytes, raw: bytes, now: float) -> PodRecord | Rejection:
@@ -138,27 +188,82 @@ class PodDirectory(RedisFollower):
         if self._on_reject is not None:
             self._on_reject(why)
 
-    def _apply(self, records: dict[str, PodRecord]) -> None:
-        for name in self._pods.keys() - records.keys():
-            logger.info("pod %s left (%s)", name, self._pods[name].url)
-            del self._pods[name]
-            for listener in self.on_leave:
-                listener(name)
+    def _apply(self, records: dict[str, PodRecord], now: float) -> None:
+        """Brings the view up to date with one registry read, begun at `now` (monotonic)."""
         for name, record in records.items():
-            pod = self._pods.get(name)
-            if pod is None:
-                logger.info("pod %s joined the %s pool (%s)", name, ROLE_POOL.get(record.role),
-                            record.url)
-                self._pods[name] = Pod(record)
-                self.seen_pools.add(self._pods[name].pool)
+            if record.is_leaving:
+                self._refused.pop(name, None)
+                if name in self._pods:
+                    self._drop(name, LEFT)
+            elif self._is_still_refused(name, record, now):
+                continue
             else:
-                pod.record = record
+                self._update(name, record)
+        self._refused = {n: r for n, r in self._refused.items() if n in records}
+        for name in self._pods.keys() - records.keys():
+            self._miss(name, now)
+        self._index_pools()
+        self._failed_until = {n: t for n, t in self._failed_until.items() if t > now}
+
+    def _is_still_refused(self, name: str, record: PodRecord, read_at: float) -> bool:
+        """True while the registry holds the last record of a pod dropped for a failed
+        connection (a dead pod's record lives on until it expires); a newer record, written
+        since, brings it back.
+
+        The record the router had at the drop may not be the pod's last: the pod can have
+        refreshed it after that read and then died. So the first read begun after the drop
+        settles which record is the last one, and only a record other than that is newer.
+        """
+        refusal = self._refused.get(name)
+        if refusal is None:
+            return False
+        if not refusal.is_settled:
+            if read_at > refusal.dropped_at:
+                refusal.updated_at, refusal.is_settled = record.updated_at, True
+            return True
+        if record.updated_at == refusal.updated_at:
+            return True
+        del self._refused[name]
+        return False
+
+    def _update(self, name: str, record: PodRecord) -> None:
+        pod = self._pods.get(name)
+        if pod is None:
+            logger.info("pod %s joined the %s pool (%s)", name, ROLE_POOL.get(record.role),
+                        record.url)
+            pod = self._pods[name] = Pod(record)
+            self.seen_pools.add(pod.pool)
+            return
+        if pod.missing_since is not None:
+            logger.info("pod %s is back in the registry", name)
+            pod.missing_since = None
+        pod.record = record
+
+    def _miss(self, name: str, now: float) -> None:
+        """The pod's record is not in the registry: late until the grace period is over."""
+        pod = self._pods[name]
+        if pod.missing_since is None:
+            pod.missing_since = now
+            if self.grace_s > 0:
+                logger.warning("pod %s: its registry record is late; still routable for "
+                               "%g s", name, self.grace_s)
+        if now - pod.missing_since >= self.grace_s:
+            self._drop(name, EXPIRED)
+
+    def _drop(self, name: str, reason: str) -> None:
+        """Removes the pod from the view (`_index_pools` must follow)."""
+        pod = self._pods.pop(name)
+        logger.info("pod %s left the %s pool (%s): %s", name, pod.pool, pod.url, reason)
+        for listener in self.on_leave:
+            listener(name)
+        if self._on_drop is not None:
+            self._on_drop(pod.pool, reason)
+
+    def _index_pools(self) -> None:
         by_pool: dict[str, list[Pod]] = {}
         for pod in self._pods.values():
             by_pool.setdefault(pod.pool, []).append(pod)
         self._by_pool = by_pool
-        now = time.monotonic()
-        self._failed_until = {n: t for n, t in self._failed_until.items() if t > now}
 
     async def read_once(self) -> None:
         await self.refresh()

@@ -31,8 +31,12 @@ status=0
 # Test files that mark gpu tests, and folders whose conftest marks them for every test there.
 mapfile -t GPU_TESTS < <( (grep -rl --include='test_*.py' 'mark.gpu' tests;
     grep -rl --include='conftest.py' 'mark.gpu' tests | xargs -r -n1 dirname) | sort -u)
-timeout 360 python3 -P -m pytest -m gpu -q -p no:cacheprovider "${GPU_TESTS[@]}" 2>&1 \
+timeout 240 python3 -P -m pytest -m gpu -q -p no:cacheprovider "${GPU_TESTS[@]}" 2>&1 \
     | tee "$OUT/pytest_gpu.log" || status=1
 timeout 100 python3 -P benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log" || status=1
+# The engine against HF generate and the memory floor (KVFERRY_GPU_ENGINE_ARGS adds flags,
+# for example --skip-server to fit a shorter run).
+timeout 200 python3 -P benchmarks/gpu_engine.py ${KVFERRY_GPU_ENGINE_ARGS:-} 2>&1 \
+    | tee "$OUT/gpu_engine.log" || status=1
 echo "device check: exit $status"
 exit $status

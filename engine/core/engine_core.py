@@ -32,10 +32,15 @@ from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.models.loader import resolve_dtype
 from kvferry.engine.models.source import resolve_model_source
 from kvferry.engine.runner.model_runner import ModelRunner, determine_num_blocks
+from kvferry.engine.structured_output.manager import StructuredOutputManager
 
 from kvferry.protocol.prompt_embeds import PLACEHOLDER_TOKEN_ID
 
 logger = logging.getLogger(__name__)
+
+# Most seconds a step with nothing to compute waits for a grammar to compile (short: the
+# engine-core process reads new requests and aborts between steps).
+GRAMMAR_WAIT_S = 0.005
 
 
 class EngineCore:
@@ -75,9 +80,15 @@ class EngineCore:
             None if config.kv_transfer is None
             else start_kv_connector(config.kv_transfer, self.runner.kv_cache, cache_cfg.block_size)
         )
+        # Grammars of structured outputs; llguidance loads with the first constraint.
+        tokenizer_dir = (resolve_model_source(model_cfg.tokenizer) if model_cfg.tokenizer
+                         else self.model_dir)
+        self.structured_output = StructuredOutputManager(
+            tokenizer_dir, self.arch.vocab_size, sched_cfg.max_num_seqs, self.device)
         self.scheduler = Scheduler(
             sched_cfg, self.kv_cache_manager,
             None if self.kv_connector is None else self.kv_connector.scheduler,
+            self.structured_output,
         )
         self.info = EngineCoreInfo(
             model_dir=str(self.model_dir),
@@ -167,19 +178,34 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Schedules, executes and updates one step; returns what it produced."""
         outputs = self._collect_transfers()
+        outputs += self._admit_compiled_grammars()
         scheduler_output = self.scheduler.schedule()
         if self.kv_connector is not None:
             # Pulls planned by this schedule, cancels of requests finished since the last.
             self.kv_connector.start_transfers()
         queue_times = self._queue_times(scheduler_output)
+        # Filled on a worker thread while the model runs; None in a step without grammars.
+        bitmask = None
+        if scheduler_output.grammar_req_ids:
+            bitmask = self.structured_output.start_bitmask(scheduler_output.grammar_req_ids)
         try:
-            runner_output = self.runner.execute_model(scheduler_output)
+            runner_output = self.runner.execute_model(scheduler_output, bitmask)
         except Exception:  # noqa: BLE001 - one bad step must not take every request down
             outputs += self._fail_step(scheduler_output)
         else:
             outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
         self._release_finished_embeds()
         return EngineCoreOutputs(outputs, self.make_stats(), queue_times)
+
+    def _admit_compiled_grammars(self) -> list[EngineCoreOutput]:
+        """Queues requests whose grammar compiled; with nothing else to compute, first waits
+        a little for a compile rather than returning to spin."""
+        scheduler = self.scheduler
+        if not scheduler.waiting_for_grammar:
+            return []
+        if not scheduler.has_requests_to_compute():
+            self.structured_output.wait_for_compiles(GRAMMAR_WAIT_S)
+        return scheduler.admit_compiled_grammars()
 
     def _collect_transfers(self) -> list[EngineCoreOutput]:
         if self.kv_connector is None:
@@ -193,9 +219,10 @@ class EngineCore:
         return stats
 
     def shutdown(self) -> None:
-        """Stops the KV connector's threads and side channel (nothing else holds any)."""
+        """Stops the KV connector's threads and side channel, and the grammar threads."""
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
+        self.structured_output.shutdown()
 
     def _queue_times(self, scheduler_output: SchedulerOutput) -> dict[str, float]:
         """Seconds each sequence first scheduled this step waited since its arrival.

@@ -133,6 +133,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_transfer_params: dict[str, Any] | None = None
     # Why the request failed (finish_reason ERROR), for the client.
     error: str | None = None
+    # Finished (STOP) because its grammar is complete: the last token is output text, not
+    # a stop token (structured outputs).
+    grammar_ended: bool = False
     # Prompt logprobs this step computed (a prompt_logprobs request's prefill chunk): the
     # entries of prompt positions `prompt_logprobs_start`, `prompt_logprobs_start + 1`, ...
     # (position i is the prompt's token i given the tokens before it; i >= 1).

@@ -14,6 +14,8 @@ from kvferry.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from kvferry.engine.structured_output.manager import RequestGrammar
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
@@ -21,6 +23,8 @@ class RequestStatus(enum.IntEnum):
     # Its blocks are allocated and a pull fills them from a remote producer: never
     # scheduled until the pull succeeds, fails or times out.
     WAITING_FOR_REMOTE_KV = enum.auto()
+    # Its constraint (structured outputs) is being compiled: never scheduled until it is.
+    WAITING_FOR_GRAMMAR = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this point is finished.
     FINISHED_STOPPED = enum.auto()
@@ -90,6 +94,9 @@ class Request:
     # max_model_len) ends the request, and the token ids that may end it early.
     max_output_tokens: int = 0
     stop_token_set: frozenset[int] = frozenset()
+    # Structured outputs: the request's grammar (compiling, then its matcher); None when
+    # its output is unconstrained.
+    grammar: RequestGrammar | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

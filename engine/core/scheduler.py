@@ -15,6 +15,10 @@ the step that wrote the block's last slot has run. A request taken back out of a
 computed. So that requests with a common prefix arriving together (the `n` completions of
 one prompt, a shared system prompt) still compute it once, a waiting request whose next
 block is being computed in this step by another request waits one step for it.
+
+A request under a grammar (structured outputs) waits outside the queue while its grammar
+compiles (`waiting_for_grammar`), then queues like any other; each step lists the ones that
+sample (`grammar_req_ids`), and `update_from_output` advances their grammars.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from kvferry.engine.core.scheduler_output import (
 )
 from kvferry.engine.core.step_budget import StepBudget
 from kvferry.engine.core.stopping import MinTokensGuard, check_stop
+from kvferry.engine.structured_output.manager import StructuredOutputManager
 
 
 class Scheduler:
@@ -48,6 +53,7 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         connector: KVConnectorSchedulerBase | None = None,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
@@ -56,6 +62,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
+        # Grammars of constrained requests; None: the engine takes no constraints.
+        self.structured_output = structured_output
+        # Requests whose grammar is compiling, in arrival order (they join `waiting` after).
+        self.waiting_for_grammar: list[Request] = []
         # Finished since the last schedule(): the runner drops their rows and any state it
         # keeps for them (ids it never saw are ignored there).
         self.finished_req_ids: set[str] = set()
@@ -81,8 +91,40 @@ class Scheduler:
         self.requests[request.request_id] = request
         if self.remote is not None:
             self.remote.add_request(request)
-        self.waiting.add(request)
         self._min_tokens.add(request)
+        if params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise ValueError("structured outputs need an engine with a grammar engine")
+            self.structured_output.add_request(request)
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar.append(request)
+            return
+        self.waiting.add(request)
+
+    def admit_compiled_grammars(self) -> list[EngineCoreOutput]:
+        """Queues the requests whose grammar is ready; returns the outputs of those whose
+        constraint failed to compile (they end with an error)."""
+        if not self.waiting_for_grammar:
+            return []
+        outputs = []
+        still_compiling = []
+        for request in self.waiting_for_grammar:
+            grammar = request.grammar
+            assert grammar is not None
+            if not grammar.is_compiled:
+                still_compiling.append(request)
+                continue
+            error = grammar.start(request.output_token_ids)
+            if error is None:
+                request.status = RequestStatus.WAITING
+                self.waiting.add(request)
+                continue
+            request.status = RequestStatus.FINISHED_ERROR
+            self._free_request(request)
+            outputs.append(EngineCoreOutput(request.request_id, [],
+                                            finish_reason=FinishReason.ERROR, error=error))
+        self.waiting_for_grammar = still_compiling
+        return outputs
 
     def finish_requests(
         self, request_ids: Iterable[str], status: RequestStatus
@@ -98,6 +140,8 @@ class Scheduler:
                 self.running.remove(request)
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 self.remote.remove_waiting(request)
+            elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                self.waiting_for_grammar.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -117,6 +161,8 @@ class Scheduler:
         request.prompt_embeds = None
         del self.requests[request.request_id]
         self._min_tokens.discard(request.request_id)
+        if request.grammar is not None:
+            self.structured_output.remove_request(request)  # type: ignore[union-attr]
         # Always reported, wherever the request was: a request preempted and then aborted
         # while waiting has no row but may still have runner state (its cached state).
         self.finished_req_ids.add(request.request_id)
@@ -139,7 +185,8 @@ class Scheduler:
 
     def get_num_unfinished_requests(self) -> int:
         num_remote = 0 if self.remote is None else len(self.remote.waiting_for_remote)
-        return len(self.waiting) + len(self.running) + num_remote
+        return (len(self.waiting) + len(self.running) + num_remote
+                + len(self.waiting_for_grammar))
 
     def has_unfinished_requests(self) -> bool:
         """Whether steps are needed: requests to compute, or transfers to see through."""
@@ -291,8 +338,9 @@ class Scheduler:
             ):
                 break
             num_new = min(num_new, budget.tokens)
+            # A pulled request's tokens are counted in its num_computed_tokens already.
             new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new, hits, num_hit_tokens
+                request, num_new, hits, 0 if is_pulled else num_hit_tokens
             )
             if new_blocks is None:
                 break
@@ -375,6 +423,9 @@ class Scheduler:
             blocked_stop_token_ids=self._min_tokens.blocked_stop_tokens(budget.scheduled),
             filling_req_ids=list(budget.filling) if self.kv_cache_manager.enable_caching else [],
         )
+        structured = self.structured_output
+        if structured is not None and structured.num_requests:
+            output.grammar_req_ids = structured.sampling_requests(budget.scheduled)
         self.finished_req_ids = set()
         return output
 
@@ -411,6 +462,9 @@ class Scheduler:
                     output.stop_reason = request.stop_reason
                     output.kv_transfer_params = self._free_request(request)
                     stopped = True
+        structured = self.structured_output
+        if structured is not None and structured.num_requests:
+            stopped |= self._advance_grammars(outputs)
         if stopped:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         if runner_output.logprobs is not None:
@@ -422,6 +476,31 @@ class Scheduler:
             self._attach_prompt_logprobs(outputs, runner_output.prompt_logprobs)
         return outputs
 
+    def _advance_grammars(self, outputs: list[EngineCoreOutput]) -> bool:
+        """Feeds each constrained request's new token to its grammar; a grammar that is
+        complete ends its request ("stop"), one the token breaks ends it with an error.
+        Returns whether any request ended."""
+        structured = self.structured_output
+        assert structured is not None
+        ended = False
+        for output in outputs:
+            request = structured.requests.get(output.req_id)
+            if request is None or request.status is not RequestStatus.RUNNING \
+                    or not output.new_token_ids:
+                continue  # unconstrained, ended by this very token, or sampled nothing
+            verdict = structured.accept_token(request, output.new_token_ids[-1])
+            if verdict is None:
+                continue
+            if verdict == "stop":
+                request.status = RequestStatus.FINISHED_STOPPED
+                output.grammar_ended = True
+            else:
+                request.status = RequestStatus.FINISHED_ERROR
+                output.error = verdict
+            output.finish_reason = request.status.finish_reason
+            output.kv_transfer_params = self._free_request(request)
+            ended = True
+        return ended
     def _attach_prompt_logprobs(
         self, outputs: list[EngineCoreOutput],
         prompt_logprobs: dict[str, tuple[int, list[list[tuple[int, float, int]]]]],

@@ -67,6 +67,10 @@ class SchedulerOutput:
     # Requests whose tokens complete at least one KV block this step; the scheduler indexes
     # those blocks in the prefix cache once the step has run (the runner ignores this).
     filling_req_ids: list[str] = field(default_factory=list)
+    # Requests under a grammar (structured outputs) that sample a token this step: the
+    # engine core fills their bitmask rows while the model runs. Empty in a step without
+    # one, which then does no mask work at all.
+    grammar_req_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

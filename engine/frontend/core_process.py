@@ -212,6 +212,11 @@ class EngineCoreProc:
 
 
 # ---------------------------------------------------------------------- process entry
+class ModelLoadError(Exception):
+    """The engine core refused its model: a checkpoint it cannot read or load, or settings
+    that do not fit it (ValueError and OSError while loading; its message is theirs)."""
+
+
 def run_engine_core(
     config: EngineConfig, addresses: CoreAddresses, parent_pid: int, log_level: int
 ) -> None:
@@ -234,6 +239,10 @@ def run_engine_core(
         logger.warning("engine core exiting: %s", exc)
         output_socket.setsockopt(zmq.LINGER, 0)  # nobody will read what is left
         orphaned = True
+    except ModelLoadError as exc:  # the checkpoint or a setting: what, not where, is news
+        logger.error("engine core failed to load the model: %s", exc)
+        _send(output_socket, encoder, CoreFailed(str(exc)))
+        exit_code = 1
     except Exception as exc:  # noqa: BLE001 - process boundary: report any failure, then exit
         logger.exception("engine core failed")
         _send(output_socket, encoder, CoreFailed(f"{type(exc).__name__}: {exc}"))
@@ -261,7 +270,10 @@ def _serve(
     # Imported here: torch and the model code load in the core process only.
     from kvferry.engine.core.engine_core import EngineCore
 
-    engine_core = EngineCore(config)
+    try:
+        engine_core = EngineCore(config)
+    except (ValueError, OSError) as exc:
+        raise ModelLoadError(f"{type(exc).__name__}: {exc}") from exc
     try:
         _send(output_socket, encoder, CoreReady(engine_core.info))
         EngineCoreProc(engine_core, input_socket, output_socket, parent_pid).run()

@@ -15,15 +15,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", action="append", required=True,
                         help="prompt text (repeat for several prompts)")
     sampling = parser.add_argument_group("sampling")
-    sampling.add_argument("--max-tokens", type=int, default=32)
-    sampling.add_argument("--temperature", type=float, default=0.0)
-    sampling.add_argument("--top-p", type=float, default=1.0)
-    sampling.add_argument("--top-k", type=int, default=0)
-    sampling.add_argument("--min-p", type=float, default=0.0)
+    sampling.add_argument("--max-tokens", type=int, default=32,
+                          help="tokens to generate per completion")
+    sampling.add_argument("--temperature", type=float, default=0.0,
+                          help="sampling temperature; 0 is greedy")
+    sampling.add_argument("--top-p", type=float, default=1.0,
+                          help="sample from the smallest set of tokens this likely")
+    sampling.add_argument("--top-k", type=int, default=0,
+                          help="sample from the k likeliest tokens; 0 is all")
+    sampling.add_argument("--min-p", type=float, default=0.0,
+                          help="drop tokens less likely than this times the likeliest")
     sampling.add_argument("--n", type=int, default=1, help="completions per prompt")
-    sampling.add_argument("--sampling-seed", type=int, default=None)
-    sampling.add_argument("--stop", action="append", default=None, help="stop string")
-    sampling.add_argument("--ignore-eos", action="store_true")
+    sampling.add_argument("--sampling-seed", type=int, default=None,
+                          help="seed of the sampler, for repeatable samples (default: none)")
+    sampling.add_argument("--stop", action="append", default=None,
+                          help="stop string (repeatable; default: none)")
+    sampling.add_argument("--ignore-eos", action="store_true",
+                          help="keep generating past the end-of-sequence token")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_engine_arguments(parser)
 

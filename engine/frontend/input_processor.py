@@ -7,9 +7,10 @@ refused before it crosses to the core, with the same message.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from kvferry.engine.core.messages import (
@@ -30,6 +31,9 @@ from kvferry.protocol.prompt_embeds import (
     embeds_salt,
     max_payload_bytes,
 )
+
+if TYPE_CHECKING:
+    from kvferry.engine.structured_output.grammar import GrammarCompiler
 
 # A prompt: text, token ids, or a dict with "prompt", "prompt_token_ids" or "prompt_embeds".
 PromptType = str | list[int] | Mapping[str, Any]
@@ -80,6 +84,11 @@ class InputProcessor:
         self.eos_token_ids = list(eos)
         # Prompt embeddings are cast to the model's dtype before they cross to the core.
         self.dtype: torch.dtype = getattr(torch, info.dtype)
+        # Checks structured-output constraints as the core will compile them; made when the
+        # first one arrives. Or why none can be made for this model (its tokenizer).
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_error: str | None = None
+        self._grammar_lock = threading.Lock()
 
     def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
         """Tokenizes and validates a prompt; ValueError names the problem and the limit."""
@@ -173,6 +182,7 @@ class InputProcessor:
         if CHILD_ID_SEPARATOR in request_id:
             raise ValueError("a request id may not contain the NUL character")
         self.limits.check_params(params)
+        self.check_structured_outputs(params)
         if prompt.prompt_embeds is not None and params.prompt_logprobs is not None:
             raise ValueError(PROMPT_LOGPROBS_NEED_IDS)
         kv_transfer_params = self._check_kv_transfer_params(kv_transfer_params, params)
@@ -199,6 +209,30 @@ class InputProcessor:
             )
             for child_id, child_params in children
         ]
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """ValueError naming what is wrong with the request's constraint, if it has one: the
+        grammar does not compile, or the model's tokenizer cannot take one. Compiled once per
+        distinct constraint (the result is cached), with the core's tokenizer and vocabulary."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        self._compiler().check(spec)
+
+    def _compiler(self) -> GrammarCompiler:
+        """The compiler, made once; ValueError when this model's tokenizer cannot take one."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None and self._grammar_error is None:
+                from kvferry.engine.structured_output.grammar import GrammarCompiler
+
+                try:
+                    self._grammar_compiler = GrammarCompiler(
+                        self.tokenizer.to_json(), self.limits.vocab_size, self.eos_token_ids)
+                except ValueError as exc:
+                    self._grammar_error = str(exc)
+            if self._grammar_compiler is None:
+                raise ValueError(self._grammar_error)
+            return self._grammar_compiler
 
     def admit_kv_transfer_params(self, data: dict[str, Any] | None) -> KVTransferParams | None:
         """Parses the client's object, once, and applies the pod's admission (admission.py).

@@ -78,8 +78,8 @@ class LLM:
         A prompt is a string, a list of token ids, `{"prompt": text}`,
         `{"prompt_token_ids": ids}`, or (with `enable_prompt_embeds=True`)
         `{"prompt_embeds": tensor}` of shape `(num_tokens, hidden_size)` (a leading batch
-        dimension of 1 is squeezed). All prompts are validated before any runs, so a bad
-        one raises ValueError and nothing is queued.
+        dimension of 1 is squeezed). All prompts and structured-output constraints are
+        validated before any runs, so a bad one raises ValueError and nothing is queued.
         """
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
@@ -87,6 +87,8 @@ class LLM:
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
         engine = self.llm_engine
         processed = [engine.process_prompt(p) for p in prompt_list]
+        for p in params:
+            engine.input_processor.check_structured_outputs(p)
         request_ids = []
         for i, (prompt, p) in enumerate(zip(processed, params)):
             request_id = engine.next_request_id()

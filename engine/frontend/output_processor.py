@@ -214,8 +214,9 @@ class OutputProcessor:
         if child.want_logprobs and output.new_logprobs:
             for position in output.new_logprobs:
                 self._append_logprobs(child, position)
-        # A stop token id or EOS ended the sequence: its text is not part of the output.
-        stop_terminated = output.finish_reason == FinishReason.STOP
+        # A stop token id or EOS ended the sequence: its text is not part of the output (a
+        # completed grammar ends it on a token of the output).
+        stop_terminated = output.finish_reason == FinishReason.STOP and not output.grammar_ended
         return child.detokenizer.update(output.new_token_ids, stop_terminated=stop_terminated)
 
     def _place_prompt_logprobs(self, parent: ParentState, output: EngineCoreOutput) -> None:

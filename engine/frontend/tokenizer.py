@@ -189,6 +189,16 @@ class Tokenizer:
             text = _clean_up_tokenization(text)
         return text
 
+    def to_json(self) -> str:
+        """The whole `tokenizer.json` pipeline, padding and truncation off (what the grammar
+        engine of structured outputs reads)."""
+        import copy
+
+        backend = copy.copy(self._backend)
+        backend.no_padding()
+        backend.no_truncation()
+        return backend.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         """The id of `token`, or None when it is not in the vocabulary."""
         return self._backend.token_to_id(token)

@@ -9,13 +9,13 @@ tied `lm_head`) are ignored; a missing one is an error.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from kvferry.engine.attention.backend import AttentionBackend
 from kvferry.engine.layers.linear import Linear, prepack_linear_weights
+from kvferry.engine.models.checkpoint import checkpoint_files
 from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.models.registry import get_model_class
 from torch import nn
@@ -59,26 +59,6 @@ def resolve_dtype(
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; supported: auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The checkpoint's safetensors files: the index's shards, or `model.safetensors`."""
-    index_path = model_dir / "model.safetensors.index.json"
-    if index_path.is_file():
-        with index_path.open(encoding="utf-8") as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-        absent = [str(p.name) for p in files if not p.is_file()]
-        if absent:
-            raise ValueError(f"{index_path} names shard files that do not exist: {absent}")
-        return files
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise ValueError(
-        f"{model_dir} has neither model.safetensors nor model.safetensors.index.json; "
-        "only safetensors checkpoints are supported"
-    )
 
 
 def _checkpoint_targets(model: nn.Module) -> dict[str, _Target]:

@@ -65,23 +65,26 @@ def _hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
-def _download_from_hub(repo_id: str) -> Path:
-    not_found = (
-        f"model source {repo_id!r} is not an existing directory; a hub id needs "
-        "huggingface_hub and network access"
-    )
+def download_from_hub(repo_id: str) -> Path:
+    """The hub checkpoint `repo_id` in the local hub cache, downloaded unless it is there.
+
+    ValueError says why it cannot be had: huggingface_hub missing, HF_HUB_OFFLINE set (and
+    the checkpoint not cached), no network, or no such repository.
+    """
     if _hub_offline():
-        raise ValueError(f"{not_found} (HF_HUB_OFFLINE is set)")
+        raise ValueError(f"cannot download {repo_id!r}: HF_HUB_OFFLINE is set")
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise ValueError(f"{not_found} (huggingface_hub is not installed)") from None
+        raise ValueError(f"cannot download {repo_id!r}: huggingface_hub is not installed "
+                         "(pip install huggingface_hub)") from None
     try:
         return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
     except (OSError, ValueError) as exc:
         # huggingface_hub's connection, HTTP and repo-not-found errors are OSErrors;
-        # a malformed repo id is a ValueError.
-        raise ValueError(f"{not_found}; the download failed: {exc}") from exc
+        # a malformed repo id is a ValueError. Their messages run over several lines.
+        reason = " ".join(str(exc).split())
+        raise ValueError(f"cannot download {repo_id!r} from the hub: {reason}") from exc
 
 
 def resolve_model_source(src: str, cache_dir: Path | None = None) -> Path:
@@ -93,4 +96,8 @@ def resolve_model_source(src: str, cache_dir: Path | None = None) -> Path:
         return _ensure_demo(Path(cache_dir) if cache_dir is not None else default_cache_dir())
     if not _looks_like_hub_id(src):
         raise ValueError(f"model path {src!r} does not exist (and is not a hub id)")
-    return _download_from_hub(src)
+    try:
+        return download_from_hub(src)
+    except ValueError as exc:
+        raise ValueError(f"model source {src!r} is not an existing directory; a hub id needs "
+                         f"huggingface_hub and network access ({exc})") from exc

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from operator import attrgetter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from kvferry.engine.runner.step_staging import StepStaging, StepTensors
 from kvferry.engine.sample.metadata import SamplingMetadata
 from kvferry.engine.sample.sampler import Sampler, SamplerOutput
 from kvferry.kvtransfer.memory import allocate_kv_cache
+
+if TYPE_CHECKING:
+    from kvferry.engine.structured_output.manager import GrammarBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +143,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        """Runs the step; `grammar_bitmask` (being filled on another thread while the model
+        runs) constrains the rows of requests under a grammar."""
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -169,7 +176,8 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[],
                                      prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[staged.logits_indices])
-        sampling_metadata = self._sampling_metadata(sampled_rows, scheduler_output)
+        sampling_metadata = self._sampling_metadata(sampled_rows, scheduler_output,
+                                                     grammar_bitmask)
         sampler_output = self.sampler(logits, sampling_metadata)
         output = self._record_samples(sampled_rows, sampler_output)
         output.prompt_logprobs = prompt_logprobs
@@ -331,7 +339,8 @@ class ModelRunner:
             seq_lens_np=prepared.seq_lens,
         )
 
-    def _sampling_metadata(self, rows: list[int], so: SchedulerOutput) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: list[int], so: SchedulerOutput,
+                           grammar_bitmask: GrammarBitmask | None) -> SamplingMetadata:
         states = [self.input_batch.states[row] for row in rows]
         blocked = {
             i: so.blocked_stop_token_ids[s.req_id]
@@ -347,6 +356,8 @@ class ModelRunner:
             stop_token_ids_to_block=blocked,
             vocab_size=self.arch.vocab_size,
             device=self.device,
+            grammar_bitmask=(None if grammar_bitmask is None
+                             else _grammar_rows(states, grammar_bitmask)),
         )
 
     def _record_samples(self, rows: list[int], output: SamplerOutput) -> ModelRunnerOutput:
@@ -377,6 +388,24 @@ class ModelRunner:
             entries += [(ids[i][j], values[i][j], j) for j in range(1, wanted + 1)]
             result.append(entries)
         return result
+
+
+def _grammar_rows(states: list[CachedRequestState],
+                  grammar_bitmask: GrammarBitmask) -> tuple[list[int], torch.Tensor]:
+    """The logits rows of the bitmask's requests in ascending order, and their bitmask rows in
+    the same order (waited for here, the last moment: it was filled while the model ran).
+    When every row is constrained, rows are then 0..n-1 and the sampler masks in one pass."""
+    row_of = {state.req_id: row for row, state in enumerate(states)}
+    rows = [row_of.get(req_id) for req_id in grammar_bitmask.req_ids]
+    if None in rows:
+        missing = [r for r, row in zip(grammar_bitmask.req_ids, rows) if row is None]
+        raise RuntimeError(f"requests {missing} have a grammar bitmask but sample nothing")
+    bitmask = grammar_bitmask.result()
+    order = sorted(range(len(rows)), key=rows.__getitem__)
+    if order != list(range(len(rows))):
+        bitmask = bitmask[order]  # a small host gather: one row of words per request
+        rows = [rows[i] for i in order]
+    return rows, bitmask  # type: ignore[return-value]
 
 
 # Prompt positions scored at once: their logits are (rows, vocab_size) float32.

@@ -63,6 +63,11 @@ class SamplingMetadata:
     # because the row has fewer than min_tokens outputs; None when there are none.
     blocked_rows: torch.Tensor | None
     blocked_token_ids: torch.Tensor | None
+    # Structured outputs: (num_masked, num_words) int32 token bitmasks (bitmask.py) of the
+    # rows under a grammar this step, None when no row has one; and (num_masked,) int64
+    # those rows, None when every row has one, in row order.
+    grammar_bitmask: torch.Tensor | None = None
+    grammar_rows: torch.Tensor | None = None
     # (num_biased,) int64 pairs (row, token id) and the float32 bias added to each of those
     # logits (logit_bias); None when no row has a bias.
     bias_rows: torch.Tensor | None = None
@@ -83,13 +88,15 @@ class SamplingMetadata:
         stop_token_ids_to_block: dict[int, list[int]],
         vocab_size: int,
         device: torch.device,
+        grammar_bitmask: tuple[list[int], torch.Tensor] | None = None,
     ) -> SamplingMetadata:
         """Build the metadata for rows `0..len(params)-1`.
 
         `output_token_ids[i]` and `prompt_token_ids[i]` are row i's tokens so far (read only
         when a penalty needs them; a seeded row's output length is also its noise counter);
         `stop_token_ids_to_block` maps a row to the token ids (EOS
-        and stop_token_ids) it must not sample yet because min_tokens is not reached.
+        and stop_token_ids) it must not sample yet because min_tokens is not reached;
+        `grammar_bitmask` is (rows, their bitmask rows on the CPU) of rows under a grammar.
         """
         num_rows = len(params)
         _check_row_lists(num_rows, output_token_ids, prompt_token_ids)
@@ -130,7 +137,17 @@ class SamplingMetadata:
             metadata._fill_penalties(params, output_token_ids, prompt_token_ids, device)
         if any(p.has_token_constraints for p in params):
             metadata._fill_token_constraints(params, device)
+        if grammar_bitmask is not None:
+            metadata._fill_grammar(*grammar_bitmask, device)
         return metadata
+
+    def _fill_grammar(self, rows: list[int], bitmask: torch.Tensor, device: torch.device) -> None:
+        _check_row_keys("grammar rows", dict.fromkeys(rows), self.num_rows)
+        if len(rows) != bitmask.shape[0]:
+            raise ValueError(f"{len(rows)} grammar rows for {bitmask.shape[0]} bitmask rows")
+        if rows != list(range(self.num_rows)):
+            self.grammar_rows = torch.tensor(rows, dtype=torch.int64).to(device)
+        self.grammar_bitmask = bitmask.to(device, non_blocking=True)
 
     def _fill_token_constraints(self, params: list[SamplingParams], device: torch.device) -> None:
         """logit_bias as flat (row, token, bias) triples; allowed_token_ids as row masks."""

@@ -2,11 +2,12 @@
 
 Order of processing (vLLM's):
 
-1. logit_bias added, and tokens outside a row's allowed_token_ids set to -inf;
-2. block EOS/stop tokens of rows below min_tokens (-inf);
-3. repetition, frequency and presence penalties;
-4. greedy rows take the argmax of these logits;
-5. the other rows are divided by their temperature, filtered by min-p, top-k and top-p,
+1. rows under a grammar (structured outputs): tokens their bitmask rules out get -inf;
+2. logit_bias added, and tokens outside a row's allowed_token_ids set to -inf;
+3. block EOS/stop tokens of rows below min_tokens (-inf);
+4. repetition, frequency and presence penalties;
+5. greedy rows take the argmax of these logits;
+6. the other rows are divided by their temperature, filtered by min-p, top-k and top-p,
    and sampled by the exponential race: argmax(probs / E) with E ~ Exponential(1) per
    token, which picks token i with probability probs[i] without a cumulative sum; a
    seeded row's E is a function of its seed and step (seeded_noise.py).
@@ -20,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from kvferry.engine.sample.bitmask import apply_token_bitmask
 from kvferry.engine.sample.filters import apply_min_p, apply_top_k_top_p
 from kvferry.engine.sample.metadata import SamplingMetadata
 from kvferry.engine.sample.penalties import apply_penalties, block_tokens
@@ -66,8 +68,10 @@ class Sampler(torch.nn.Module):
     def apply_logits_processors(
         self, logits: torch.Tensor, metadata: SamplingMetadata
     ) -> torch.Tensor:
-        """Token constraints, min_tokens blocking, then penalties: what greedy and random
-        rows both see."""
+        """Grammar masks, token constraints, min_tokens blocking, then penalties: what
+        greedy and random rows both see."""
+        if metadata.grammar_bitmask is not None:
+            logits = apply_token_bitmask(logits, metadata.grammar_rows, metadata.grammar_bitmask)
         logits = apply_token_constraints(logits, metadata)
         if metadata.blocked_rows is not None and metadata.blocked_token_ids is not None:
             logits = block_tokens(logits, metadata.blocked_rows, metadata.blocked_token_ids)

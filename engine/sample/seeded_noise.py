@@ -9,7 +9,7 @@ sampled, which a recomputed request reaches again).
 
 The bits come from SplitMix64's finalizer, a bijective 64-bit mixer with full avalanche,
 applied to (seed, step) and then to each token id; its top 24 bits become a uniform in
-(0, 1) and `-log(u)` an Exponential(1) sample. Torch has no unsigned 64-bit arithmetic, so
+(0, 1) and `-log(u)` an Exponential(1) sample, never 0 (`exponential_of_top_bits`). Torch has no unsigned 64-bit arithmetic, so
 the mixer runs on int64: products wrap modulo 2^64 exactly as unsigned ones do, and right
 shifts are made logical by masking the sign-extended bits.
 """
@@ -53,6 +53,22 @@ def seeded_exponential_noise(
     token_ids = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seeds.device)
     bits = _mix(keys[:, None] + token_ids[None, :] * _GAMMA)  # (num_rows, vocab_size)
     # (k + 0.5) / 2^24 for the top 24 bits k: a uniform never 0 or 1, exact in float32.
-    top = _shift_right(bits, 64 - _UNIFORM_BITS).to(torch.float32)
-    uniform = (top + 0.5) * (1.0 / (1 << _UNIFORM_BITS))
-    return -torch.log(uniform)
+    return exponential_of_top_bits(_shift_right(bits, 64 - _UNIFORM_BITS))
+
+
+# The noise of the largest 24-bit value: -log(1 - 2^-25), which float32 arithmetic rounds
+# to -log(1.0) = 0 (see below).
+_MIN_NOISE = 2.0**-25
+
+
+def exponential_of_top_bits(top: torch.Tensor) -> torch.Tensor:
+    """Exponential(1) samples of uniform 24-bit integers `top` (int64, in [0, 2^24)).
+
+    The uniform is (k + 0.5) / 2^24, never 0 or 1 in exact arithmetic, but in float32 the
+    largest k rounds up to 2^24 and its noise to 0; a token whose probability is 0 (ruled out
+    by top-k, top-p, min-p or a grammar) would then score 0 / 0 = NaN, which argmax takes
+    as the largest. That one value is set to its true noise, 2^-25 (every other noise is at
+    least 2^-24, so no other value changes).
+    """
+    uniform = (top.to(torch.float32) + 0.5) * (1.0 / (1 << _UNIFORM_BITS))
+    return (-torch.log(uniform)).clamp_min_(_MIN_NOISE)

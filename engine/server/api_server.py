@@ -39,6 +39,7 @@ from kvferry.engine.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    conversation_of,
     now,
 )
 from kvferry.engine.server.serving import check_model
@@ -247,9 +248,9 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
         assert engine is not None
         check_model(body.model, state.served_model_name)
         if body.messages is not None:
-            conversation = [{"role": m.role, "content": m.text(i)}
-                            for i, m in enumerate(body.messages)]
-            text = chat_text(state, engine, conversation, body.add_generation_prompt)
+            tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+            text = chat_text(state, engine, conversation_of(body.messages),
+                             body.add_generation_prompt, {"tools": tools} if tools else None)
             add_special_tokens = False  # the template holds them
         elif body.prompt is not None:
             text, add_special_tokens = body.prompt, body.add_special_tokens
@@ -291,7 +292,9 @@ def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> Response:
         reason = state.unavailable_reason()
         if reason is not None:
-            raise ApiError(503, reason, code="service_unavailable")
+            # No request log line: probes ask every second or so while a model loads, and
+            # the state behind the answer is logged where it changes.
+            return error_response(503, reason, code="service_unavailable")
         return Response(status_code=200)
 
     @app.get("/ping")

@@ -21,6 +21,7 @@ from kvferry.engine.server.state import (
     DEFAULT_MAX_EMBEDS_BODY_BYTES,
     DEFAULT_MAX_STOP_BYTES,
     DEFAULT_MAX_STOP_STRINGS,
+    TOOL_CALL_PARSERS,
 )
 from kvferry.kvtransfer.args import (
     add_kv_transfer_arguments,
@@ -30,6 +31,7 @@ from kvferry.kvtransfer.args import (
 from kvferry.kvtransfer.auth import KEY_ENV, TransferKey
 
 from kvferry.http_limits import add_http_limit_arguments, http_limits_from_args
+from kvferry.protocol.registry import redis_url_from_environment
 
 if TYPE_CHECKING:
     from kvferry.engine.server.registry import RegistrationSettings
@@ -45,13 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env_role = os.environ.get("KVFERRY_ROLE") or "both"
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--port", type=int, default=8000, help="port to listen on")
     server.add_argument("--role", default=env_role, choices=ROLES,
                         help="this pod's part in disaggregated serving (default $KVFERRY_ROLE "
                              "or both)")
     server.add_argument("--redis", default=None, metavar="URL",
                         help="Redis of the service (pod registry, prefix index); roles other "
-                             "than both use it")
+                             "than both use it (default $KVFERRY_REDIS_URL)")
     server.add_argument("--service", default=None, metavar="NAME",
                         help="the InferenceService this pod registers under in Redis "
                              "(default $KVFERRY_SERVICE or 'default')")
@@ -60,12 +62,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="require 'Authorization: Bearer KEY' on the API "
                            "(default $KVFERRY_API_KEY)")
     keys.add_argument("--api-key-file", default=None, metavar="FILE",
-                      help="read the API key from FILE (a mounted Secret)")
+                      help="read the API key from FILE (a mounted Secret; default: none)")
     server.add_argument("--chat-template", default=None, metavar="FILE",
-                        help="Jinja chat template (a file or the template text); overrides "
-                             "the tokenizer's")
+                        help="Jinja chat template (a file or the template text) "
+                             "(default: the tokenizer's)")
+    server.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                        help="the model's tool-call format, parsed out of its output for "
+                             "tool_choice 'auto' (hermes: <tool_call>{...}</tool_call>); "
+                             "without it 'auto' is refused (default: none)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="vLLM's spelling: accepted with --tool-call-parser, which is "
+                             "what enables tool_choice 'auto' (default: off)")
     server.add_argument("--max-num-waiting", type=int, default=None, metavar="N",
-                        help="answer 429 while N or more requests wait for the engine")
+                        help="answer 429 while N or more requests wait for the engine "
+                             "(default: no limit)")
     server.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         metavar="N", help="answer 413 to a request body larger than N bytes, "
                                           "before reading it (default 8 MiB, as the router)")
@@ -92,11 +102,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--log-prompts", action="store_true",
                         help="put prompt text in the request log lines")
     server.add_argument("--uvicorn-log-level", default="warning",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="log level of the HTTP server's own lines")
     add_http_limit_arguments(parser)
     parallel = parser.add_argument_group("parallelism and inputs")
-    parallel.add_argument("--tensor-parallel-size", type=int, default=1)
-    parallel.add_argument("--pipeline-parallel-size", type=int, default=1)
+    parallel.add_argument("--tensor-parallel-size", type=int, default=1,
+                          help="GPUs each layer is split over (only 1 for now)")
+    parallel.add_argument("--pipeline-parallel-size", type=int, default=1,
+                          help="GPUs the layers are split into stages over (only 1 for now)")
     parallel.add_argument("--enable-prompt-embeds", action="store_true",
                           help="accept prompt_embeds (base64 of torch.save tensors) in "
                                "/v1/completions in place of a prompt")
@@ -114,7 +127,7 @@ class PodEnvironment:
     kv_lease_seconds: int | None  # KVFERRY_KV_LEASE_SECONDS
     kv_failure_policy: str | None  # KVFERRY_KV_FAILURE_POLICY
     pod_ip: str | None  # POD_IP
-    redis_url: str | None  # REDIS_URL (an external Redis given by Secret)
+    redis_url: str | None  # KVFERRY_REDIS_URL (an external Redis given by Secret)
 
 
 def pod_environment(environ: Mapping[str, str]) -> PodEnvironment:
@@ -134,7 +147,7 @@ def pod_environment(environ: Mapping[str, str]) -> PodEnvironment:
         kv_lease_seconds=_int_env(environ, "KVFERRY_KV_LEASE_SECONDS", 1, 86400),
         kv_failure_policy=policy,
         pod_ip=environ.get("POD_IP") or None,
-        redis_url=environ.get("REDIS_URL") or None,
+        redis_url=redis_url_from_environment(environ),
     )
 
 
@@ -159,6 +172,9 @@ def check_supported(args: argparse.Namespace) -> str | None:
     if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
         return ("tensor and pipeline parallelism are not available yet; "
                 "--tensor-parallel-size and --pipeline-parallel-size must be 1")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        return ("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call "
+                f"format: {', '.join(TOOL_CALL_PARSERS)})")
     if args.max_body_bytes < 1024:
         return f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}"
     if args.max_embeds_body_bytes < 1024:
@@ -191,7 +207,7 @@ def read_api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | 
 
 def _registration(args: argparse.Namespace, env: PodEnvironment,
                   key: TransferKey | None) -> RegistrationSettings | None:
-    """Where to announce this pod: `--redis` (else $REDIS_URL), under $KVFERRY_SERVICE;
+    """Where to announce this pod: `--redis` (else $KVFERRY_REDIS_URL), under $KVFERRY_SERVICE;
     the record and KV events are signed with `key`, the service's KV transfer key."""
     from kvferry.engine.server.registry import registration_settings
 
@@ -225,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
         )
         settings = ServerSettings(
             host=args.host, port=args.port, api_key=read_api_key(args, os.environ),
-            chat_template=args.chat_template, max_num_waiting=args.max_num_waiting,
+            chat_template=args.chat_template, tool_call_parser=args.tool_call_parser,
+            max_num_waiting=args.max_num_waiting,
             max_body_bytes=args.max_body_bytes, max_stop_strings=args.max_stop_strings,
             max_stop_bytes=args.max_stop_bytes, drain_timeout_s=args.drain_timeout, log_prompts=args.log_prompts,
             max_embeds_body_bytes=(args.max_embeds_body_bytes if args.enable_prompt_embeds

@@ -43,6 +43,7 @@ from kvferry.engine.server.serving import (
     sub_request_ids,
 )
 from kvferry.engine.server.state import ServerState
+from kvferry.engine.server.structured import check_constraint, constraint_of
 from kvferry.kvtransfer.params import KVTransferParams
 
 from kvferry.protocol.errors import error_body
@@ -62,6 +63,8 @@ class CompletionJob:
     record: RequestRecord
     # The body's kv_transfer_params as admitted (None: none, or refused and computed here).
     kv_transfer_params: KVTransferParams | None = None
+    # The field that constrains the output (the param of a constraint's errors).
+    constraint_param: str | None = None
 
     @property
     def request_ids(self) -> list[str]:
@@ -85,6 +88,7 @@ async def create_completion(
     state: ServerState, body: CompletionRequest, request: Request
 ) -> Response:
     job = await prepare(state, body, request)
+    await check_constraint(job.engine, job.params, job.constraint_param)
     if body.stream:
         return StreamingResponse(stream_completion(job, request), media_type="text/event-stream")
     return JSONResponse((await collect_completion(job, request)).model_dump())
@@ -96,7 +100,8 @@ async def prepare(state: ServerState, body: CompletionRequest, request: Request)
     record = RequestRecord(request.state.request_id, "completions")
     check_model(body.model, state.served_model_name)
     check_stop_limits(body.stop, state.settings.max_stop_strings, state.settings.max_stop_bytes)
-    params = body.to_sampling_params()
+    constraint = constraint_of(body)
+    params = body.to_sampling_params(None if constraint is None else constraint.params)
     body.check_prompt_inputs()
     if body.prompt_embeds is not None:
         if params.prompt_logprobs is not None:
@@ -116,7 +121,8 @@ async def prepare(state: ServerState, body: CompletionRequest, request: Request)
     if state.settings.log_prompts:
         record.prompt_text = " | ".join(_loggable(p) for p in prompts)
     return CompletionJob(body, engine, random_id("cmpl"), state.served_model_name, now(),
-                         prompts, params, record, kv_transfer_params)
+                         prompts, params, record, kv_transfer_params,
+                         None if constraint is None else constraint.param)
 
 
 async def _decode_embeds(engine: AsyncLLM, payloads: list[str]) -> list[ProcessedPrompt]:

@@ -13,11 +13,12 @@ must agree with these models (a test holds the two together).
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from kvferry.engine.sampling_params import SamplingParams
+from kvferry.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvferry.engine.server.errors import bad_request
 from pydantic import (
     BaseModel,
@@ -95,6 +96,44 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: Bool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    """`response_format.json_schema`: OpenAI's named schema."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    # False: schema keywords the grammar engine cannot enforce are ignored; true or absent:
+    # they are a 400 (every other keyword is enforced either way).
+    strict: Bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's `response_format`: text, any JSON object, or a JSON schema."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIModel):
+    """vLLM's `structured_outputs`: exactly one constraint. Options kvferry does not act on
+    are refused by name (extra fields forbidden), not ignored."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: Bool | None = None
+    # Generated JSON has no free whitespace anyway, so true is honoured and false asks for
+    # nothing the output lacks.
+    disable_any_whitespace: Bool = False
+    # kvferry runs one grammar engine: there is nothing to fall back to.
+    disable_fallback: Bool = False
+
+
 class SamplingRequest(RequestBody):
     """The sampling and streaming fields that completions and chat share."""
 
@@ -119,6 +158,15 @@ class SamplingRequest(RequestBody):
     # Lower runs earlier when the server schedules by priority.
     priority: Int64 = 0
     user: str | None = None
+    # Structured outputs (engine/server/structured.py): OpenAI's field, vLLM's field and
+    # vLLM's older guided_* spellings; at most one of them per request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
     # OpenAI's: token id (a JSON object key, so a string) -> bias in [-100, 100].
     logit_bias: dict[str, Number] | None = None
     # vLLM's: only these token ids may be sampled.
@@ -137,8 +185,11 @@ class SamplingRequest(RequestBody):
             self.stream and self.stream_options and self.stream_options.continuous_usage_stats
         )
 
-    def build_sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                              prompt_logprobs: int | None = None) -> SamplingParams:
+    def build_sampling_params(
+        self, max_tokens: int | None, logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         """The engine's params; a refused value raises a 400 naming the field."""
         try:
             return SamplingParams(
@@ -162,6 +213,7 @@ class SamplingRequest(RequestBody):
                 logit_bias=self._logit_bias(),
                 allowed_token_ids=self.allowed_token_ids,
                 prompt_logprobs=prompt_logprobs,
+                structured_outputs=structured_outputs,
             )
         except ValueError as exc:
             raise bad_request(str(exc), param=param_of_message(str(exc))) from None
@@ -209,12 +261,15 @@ class CompletionRequest(SamplingRequest):
     prompt_logprobs: Int64 | None = None
     add_special_tokens: Bool = True
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(
+        self, structured_outputs: StructuredOutputsParams | None = None
+    ) -> SamplingParams:
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             # The echoed prompt's tokens get logprobs too, with as many alternatives.
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
-        return self.build_sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        return self.build_sampling_params(self.max_tokens, self.logprobs, prompt_logprobs,
+                                          structured_outputs)
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: one string or token-id list per prompt."""
@@ -262,10 +317,28 @@ class ContentPart(OpenAIModel):
     text: str | None = None
 
 
+class FunctionCall(OpenAIModel):
+    """A call's function: its name and its arguments as JSON text (an object is taken too)."""
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(OpenAIModel):
+    """A tool call of an assistant message, in a request's history or in a response."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An assistant turn's calls, and a `tool` turn's answer to one of them.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self, index: int) -> str:
         """The content as one string (text parts joined with newlines)."""
@@ -284,6 +357,20 @@ class ChatMessage(OpenAIModel):
         return "\n".join(texts)
 
 
+class FunctionDefinition(OpenAIModel):
+    name: str
+    description: str | None = None
+    # The JSON schema of the arguments; absent: any JSON object.
+    parameters: dict[str, Any] | None = None
+    # As `response_format.json_schema.strict`, for the arguments' schema.
+    strict: Bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
@@ -299,8 +386,15 @@ class ChatCompletionRequest(SamplingRequest):
     # End the rendered conversation with the header of an assistant turn.
     add_generation_prompt: Bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calls (engine/server/tool_calls.py): "none", "auto", "required" or
+    # {"type": "function", "function": {"name": ...}}; absent with tools means "auto".
+    tools: list[ChatTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: Bool | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(
+        self, structured_outputs: StructuredOutputsParams | None = None
+    ) -> SamplingParams:
         if not self.messages:
             raise bad_request("messages must hold at least one message", param="messages")
         if self.top_logprobs is not None and not self.logprobs:
@@ -309,17 +403,40 @@ class ChatCompletionRequest(SamplingRequest):
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
-        return self.build_sampling_params(max_tokens, num_logprobs)
+        return self.build_sampling_params(max_tokens, num_logprobs,
+                                          structured_outputs=structured_outputs)
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as plain dicts for the chat template."""
-        out = []
-        for index, message in enumerate(self.messages):
-            entry: dict[str, Any] = {"role": message.role, "content": message.text(index)}
-            if message.name is not None:
-                entry["name"] = message.name
-            out.append(entry)
-        return out
+        return conversation_of(self.messages)
+
+
+def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template reads them: role and text content, and the name, tool
+    calls and tool call id when given. A call's arguments are an object there (JSON text
+    that parses is parsed), as templates that render them with `tojson` expect."""
+    out = []
+    for index, message in enumerate(messages):
+        entry: dict[str, Any] = {"role": message.role, "content": message.text(index)}
+        if message.name is not None:
+            entry["name"] = message.name
+        if message.tool_calls is not None:
+            entry["tool_calls"] = [_template_call(call) for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        out.append(entry)
+    return out
+
+
+def _template_call(call: ToolCall) -> dict[str, Any]:
+    arguments: Any = call.function.arguments
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass  # the template gets the text as it came
+    return {"id": call.id, "type": call.type,
+            "function": {"name": call.function.name, "arguments": arguments}}
 
 
 class TokenizeRequest(RequestBody):
@@ -328,6 +445,8 @@ class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    # Rendered with the messages, as a chat request with these tools would be.
+    tools: list[ChatTool] | None = None
     add_special_tokens: Bool = True
     add_generation_prompt: Bool = True
     return_token_strs: Bool = False
@@ -429,6 +548,15 @@ class ChatLogprobs(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    # The calls the reply makes; left out of the JSON when it makes none.
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(OpenAIModel):
@@ -450,11 +578,34 @@ class ChatCompletionResponse(OpenAIModel):
     kv_transfer_params: dict[str, Any] | None = None
 
 
+class FunctionCallDelta(OpenAIModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ToolCallDelta(OpenAIModel):
+    """A streamed piece of a tool call: the first carries its id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class ChatDelta(OpenAIModel):
     """A chunk's new content; only the first chunk of a choice carries the role."""
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -21,6 +21,9 @@ DEFAULT_MAX_EMBEDS_BODY_BYTES = 32 * 1024 * 1024
 # step; clients use a handful (OpenAI takes 4).
 DEFAULT_MAX_STOP_STRINGS = 64
 DEFAULT_MAX_STOP_BYTES = 16 * 1024
+# `--tool-call-parser` choices: the model output formats tool_choice "auto" can read
+# (engine/server/tool_calls.py).
+TOOL_CALL_PARSERS = ("hermes",)
 
 if TYPE_CHECKING:
     from kvferry.engine.frontend.async_llm import AsyncLLM
@@ -38,6 +41,8 @@ class ServerSettings:
     api_key: str | None = None
     # `--chat-template`: a file or the template text; None uses the tokenizer's.
     chat_template: str | None = None
+    # `--tool-call-parser`: the model's tool-call format, which tool_choice "auto" needs.
+    tool_call_parser: str | None = None
     # 429 while this many requests wait in the engine; None for no limit.
     max_num_waiting: int | None = None
     # 413 for a request body larger than this, before reading it.

@@ -42,11 +42,14 @@ class Rejection(str, enum.Enum):
 
 # ---------------------------------------------------------------------------- pod records
 def _record_fields(record: PodRecord) -> tuple[object, ...]:
-    """Every field of the record but its MAC, each in the type it is published with."""
-    return (_RECORD_TAG, record.pod, record.service, record.role, record.model, record.url,
-            int(record.block_size), int(record.num_running), int(record.num_waiting),
-            float(record.kv_cache_usage), float(record.updated_at), int(record.max_model_len),
-            int(record.max_token_chars))
+    """Every field of the record but its MAC, each in the type it is published with.
+    `is_leaving` is signed only when set, so a live pod's MAC is what it was before the
+    field existed (routers and pods of either version verify each other's live records)."""
+    fields = (_RECORD_TAG, record.pod, record.service, record.role, record.model, record.url,
+              int(record.block_size), int(record.num_running), int(record.num_waiting),
+              float(record.kv_cache_usage), float(record.updated_at),
+              int(record.max_model_len), int(record.max_token_chars))
+    return (*fields, "is_leaving") if record.is_leaving else fields
 
 
 def sign_record(record: PodRecord, key: TransferKey) -> PodRecord:
@@ -73,6 +76,8 @@ def record_out_of_range(record: PodRecord, now: float) -> str | None:
             return f"{name} is not a finite number"
     if record.mac is not None and not isinstance(record.mac, str):
         return "mac is not a string"
+    if not isinstance(record.is_leaving, bool):
+        return "is_leaving is not a boolean"
     return _range_problem(record, now)
 
 

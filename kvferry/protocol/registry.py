@@ -2,17 +2,41 @@
 
 Each pod owns one key, `kvferry:<service>:pod:<pod>`, holding a JSON `PodRecord`. The key
 has a short TTL that the pod refreshes, so a pod that dies without a word disappears from
-the router's view within one TTL; a pod that stops cleanly deletes its key at once.
+the registry within one TTL (the router keeps it for a grace period more, unless connecting
+to it fails: a late record is not yet a dead pod). A pod that stops cleanly replaces its
+record by one with `is_leaving` set, which the router drops at once, and lets it expire.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
-# A pod missing for this long is gone; it refreshes several times per TTL so that one slow
-# refresh (a busy event loop) does not drop it.
+# A record not refreshed for this long expires; the pod refreshes it several times per TTL,
+# from a thread that a busy event loop does not hold up.
 REGISTRY_TTL_S = 3.0
+
+
+# The variable every kvferry command reads the service's Redis URL from when no flag gives
+# it, and the name the pods and the router read before (still read, with a warning).
+REDIS_URL_ENV = "KVFERRY_REDIS_URL"
+DEPRECATED_REDIS_URL_ENV = "REDIS_URL"
+
+
+def redis_url_from_environment(environ: Mapping[str, str]) -> str | None:
+    """$KVFERRY_REDIS_URL, else $REDIS_URL (with a deprecation warning), else None."""
+    url = environ.get(REDIS_URL_ENV, "").strip()
+    if url:
+        return url
+    url = environ.get(DEPRECATED_REDIS_URL_ENV, "").strip()
+    if not url:
+        return None
+    logging.getLogger("kvferry").warning(
+        "$%s is deprecated and will stop being read: set $%s instead",
+        DEPRECATED_REDIS_URL_ENV, REDIS_URL_ENV)
+    return url
 
 
 def pod_key_prefix(service: str) -> str:
@@ -42,6 +66,8 @@ class PodRecord:
     # HMAC of every other field with the service's KV transfer key (record_auth.py); None
     # from a pod without a key.
     mac: str | None = None
+    # The pod's last record: it is stopping (draining or dead) and takes no new requests.
+    is_leaving: bool = False
 
     def cannot_fit(self, num_chars: int) -> bool:
         """True when a text of `num_chars` characters (or more) needs more tokens than
@@ -55,6 +81,8 @@ class PodRecord:
         fields = asdict(self)
         if self.mac is None:  # what a pod without a key published before records had MACs
             del fields["mac"]
+        if not self.is_leaving:  # a live pod's record reads as it did before the field
+            del fields["is_leaving"]
         return json.dumps(fields, separators=(",", ":"))
 
     @classmethod

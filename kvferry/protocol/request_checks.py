@@ -134,6 +134,21 @@ def _str_or_strs(value: Any) -> str | None:
     return "Input should be a string or a list of strings"
 
 
+def _strs(value: Any) -> str | None:
+    if type(value) is not list:
+        return "Input should be a valid list"
+    for index, item in enumerate(value):
+        if type(item) is not str:
+            return f"[{index}]: Input should be a valid string"
+    return None
+
+
+def _str_or_object(value: Any) -> str | None:
+    if type(value) is str or type(value) is dict:
+        return None
+    return "Input should be a string or an object"
+
+
 def _token_ids(value: Any) -> str | None:
     if type(value) is not list:
         return "Input should be a valid list"
@@ -186,6 +201,14 @@ _SAMPLING_FIELDS: dict[str, TypeCheck] = {
     "stream_options": _nullable(_object),
     "priority": _int,
     "user": _nullable(_str),
+    # Structured outputs: OpenAI's, vLLM's and vLLM's older spellings.
+    "response_format": _nullable(_object),
+    "structured_outputs": _nullable(_object),
+    "guided_json": _nullable(_str_or_object),
+    "guided_regex": _nullable(_str),
+    "guided_choice": _nullable(_strs),
+    "guided_grammar": _nullable(_str),
+    "guided_decoding_backend": _nullable(_str),
     "logit_bias": _nullable(_object),
     "allowed_token_ids": _nullable(_token_ids),
 }
@@ -210,6 +233,9 @@ CHAT_FIELDS: Mapping[str, TypeCheck] = {
     "top_logprobs": _nullable(_int),
     "add_generation_prompt": _bool,
     "chat_template_kwargs": _nullable(_object),
+    "tools": _nullable(_list),
+    "tool_choice": _nullable(_str_or_object),
+    "parallel_tool_calls": _nullable(_bool),
 }
 
 # Fields a body must have, unless it has the alternative (`check_prompt_inputs`).

@@ -92,15 +92,9 @@ _COMMON: dict[str, Refused] = {
     "structural_tag": Refused("structural tags are not supported", _null),
     "best_of": Refused("best_of is not supported: ask for n completions (best_of may only "
                        "equal n)", _best_of_is_n),
-    "response_format": Refused("structured outputs are not supported: only "
-                               "{\"type\": \"text\"} is", lambda v, _b: v is None or v == {"type": "text"}),
-    "structured_outputs": Refused("structured outputs are not supported", _null),
-    "guided_json": Refused("structured outputs are not supported", _null),
-    "guided_regex": Refused("structured outputs are not supported", _null),
-    "guided_choice": Refused("structured outputs are not supported", _null),
-    "guided_grammar": Refused("structured outputs are not supported", _null),
-    "guided_decoding_backend": Refused("structured outputs are not supported", _null),
-    "guided_whitespace_pattern": Refused("structured outputs are not supported", _null),
+    "guided_whitespace_pattern": Refused("a whitespace pattern is not supported: generated "
+                                         "JSON has json.dumps's separators and no other "
+                                         "whitespace", _null),
 }
 
 REFUSED: Mapping[str, Mapping[str, Refused]] = {
@@ -132,10 +126,6 @@ REFUSED: Mapping[str, Mapping[str, Refused]] = {
                                  "server's template is used", _null),
         "prompt_logprobs": Refused("prompt_logprobs is served by /v1/completions only",
                                    _null),
-        "tools": Refused("tool calls are not supported", _empty),
-        "tool_choice": Refused("tool calls are not supported", _default("none")),
-        "parallel_tool_calls": Refused("tool calls are not supported",
-                                       lambda _v, body: not body.get("tools")),
     },
 }
 

@@ -13,7 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kvferry_testing.checkpoints import hf_model, make_checkpoint  # noqa: F401 (fixtures)
+from kvferry_testing.checkpoints import (  # noqa: F401 (fixtures)
+    demo_checkpoint,
+    hf_model,
+    make_checkpoint,
+)
 
 # Node ids of the tests this process has started, in order.
 _started_tests: list[str] = []

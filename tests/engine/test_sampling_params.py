@@ -1,8 +1,10 @@
+import json
 import re
 
 import pytest
+from pydantic import BaseModel
 
-from kvferry.engine.sampling_params import SamplingParams
+from kvferry.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def test_defaults_match_vllm() -> None:
@@ -103,3 +105,53 @@ def test_clone_for_child_without_seed_keeps_none() -> None:
     child = SamplingParams(n=2).clone_for_child(1)
     assert child.seed is None
     assert child.n == 1
+
+
+# ---- structured outputs ---------------------------------------------------------------
+
+EXACTLY_ONE = ("structured_outputs must set exactly one of json, json_object, regex, choice "
+               "and grammar, got ")
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({}, ValueError, EXACTLY_ONE + "none"),
+    ({"regex": "a", "choice": ["a"]}, ValueError, EXACTLY_ONE + "regex, choice"),
+    ({"json": {"type": "object"}, "json_object": True}, ValueError,
+     EXACTLY_ONE + "json, json_object"),
+    ({"choice": []}, ValueError, "structured_outputs.choice must hold at least one string"),
+    ({"choice": ["a", 1]}, TypeError, "structured_outputs.choice[1] must be a string, got int"),
+    ({"regex": ""}, ValueError, "structured_outputs.regex must be a non-empty string"),
+    ({"grammar": 5}, ValueError, "structured_outputs.grammar must be a non-empty string"),
+    ({"json": "{not json"}, ValueError, ("structured_outputs.json is not valid JSON: Expecting "
+                                         "property name enclosed in double quotes: line 1 "
+                                         "column 2 (char 1)")),
+    ({"json": [1]}, TypeError,
+     "structured_outputs.json must be a JSON schema (an object), got list"),
+])
+def test_structured_outputs_take_exactly_one_valid_constraint(
+        kwargs: dict, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_a_schema_is_kept_as_compact_json_in_its_own_key_order() -> None:
+    class Point(BaseModel):
+        y: int
+        x: int
+
+    as_dict = StructuredOutputsParams(json={"type": "object", "properties": {"b": {}, "a": {}}})
+    as_text = StructuredOutputsParams(json='{"type": "object",  "properties": {"b": {}, "a": {}}}')
+    assert as_dict.json == as_text.json == '{"type":"object","properties":{"b":{},"a":{}}}'
+    assert as_dict.key == as_text.key == ("json", as_dict.json, True)
+    model = StructuredOutputsParams(json=Point)
+    assert list(json.loads(model.json)["properties"]) == ["y", "x"]
+    assert StructuredOutputsParams(choice=("a", "b")).key == ("choice", '["a", "b"]', True)
+    assert StructuredOutputsParams(json_object=True, strict=False).key == ("json_object", "", False)
+
+
+def test_structured_outputs_travel_with_the_params_to_every_child() -> None:
+    spec = StructuredOutputsParams(regex="[0-9]+")
+    params = SamplingParams(n=3, structured_outputs=spec)
+    assert all(params.clone_for_child(i).structured_outputs is spec for i in range(3))
+    with pytest.raises(TypeError, match="^structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"regex": "a"})  # type: ignore[arg-type]

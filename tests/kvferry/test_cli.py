@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 
+import pytest
+
+import kvferry
 from kvferry import LLM, SamplingParams
+from kvferry.cli import SUBCOMMANDS, build_parser
 
 
 def _kvferry(*args: str) -> subprocess.CompletedProcess[str]:
@@ -25,6 +30,39 @@ def test_help_lists_subcommands_without_importing_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert "generate" in result.stdout and "operator" in result.stdout
     assert result.stdout.strip().endswith("False")
+
+
+def test_version_prints_the_release() -> None:
+    done = _kvferry("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"kvferry {kvferry.__version__}\n"
+
+
+def _options(command: str) -> list[argparse.Action]:
+    parser = build_parser([command])
+    (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [a for a in subparsers.choices[command]._actions
+            if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+@pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
+def test_every_option_says_what_it_is_and_its_default(command: str) -> None:
+    """Flags (off unless given) say what they do; every other option that is not required
+    also says its default, as argparse renders it or in words."""
+    silent = [a.option_strings[0] for a in _options(command)
+              if not (a.help or "").strip() or a.help.startswith("(default")]
+    assert silent == []
+    no_default = [a.option_strings[0] for a in _options(command)
+                  if a.nargs != 0 and not a.required and "default" not in a.help]
+    assert no_default == []
+
+
+def test_help_renders_the_defaults_values() -> None:
+    done = _kvferry("up", "--help")
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())
+    assert "the router's port (default: 8000; with --once, a free one)" in text
+    assert "longest wait for every pod to be ready (default: 600.0)" in text
 
 
 def test_generate_prints_the_same_tokens_as_the_offline_api(make_checkpoint) -> None:

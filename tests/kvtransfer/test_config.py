@@ -26,6 +26,8 @@ def test_defaults_hold_for_thirty_seconds_and_beat_three_times_per_lease() -> No
         ({"read_split_min_bytes": -1}, "read_split_min_bytes"),
         ({"failure_policy": "retry"}, "failure_policy"),
         ({"ucx_error_handling_mode": "thread"}, "ucx_error_handling_mode"),
+        ({"ucx_net_devices": ""}, "ucx_net_devices"),
+        ({"ucx_net_devices": "lo, eth0"}, "ucx_net_devices"),
     ],
 )
 def test_bad_fields_are_refused_by_name(fields: dict, message: str) -> None:

@@ -53,6 +53,21 @@ def test_the_handshake_returns_what_the_producer_serves(served) -> None:
     assert client.handshake() == server.info
 
 
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 on this machine")
+def test_a_side_channel_on_an_ipv6_kv_host_serves_there() -> None:
+    leases = LeaseTable(30.0, KVTransferMetrics())
+    server = SideChannelServer("::1", 0, handshake_info(), leases, SideChannelAuth(TEST_KEY))
+    server.start()
+    try:
+        client = SideChannelClient("::1", server.port, timeout_s=5.0, reader="decode-1",
+                                   auth=SideChannelAuth(TEST_KEY))
+        assert client.handshake() == server.info
+        with pytest.raises(OSError):  # bound to ::1 only
+            socket.create_connection(("127.0.0.1", server.port), timeout=1).close()
+    finally:
+        server.close()
+
+
 def test_renew_reports_which_holds_exist(served) -> None:
     server, client = served
     server.leases.hold("a", ((1, 2),))

@@ -86,8 +86,8 @@ def test_whisper_uses_external_redis_and_an_encoder_pool() -> None:
     assert "Deployment/whisper-redis" not in children
     encoder = children["Deployment/whisper-encoder"]["spec"]["template"]["spec"]["containers"][0]
     assert encoder["args"][:12] == ["kvferry", "serve", "--model", "openai/whisper-large-v3", "--role",
-                                    "encoder", "--host", "0.0.0.0", "--port", "8000", "--redis", "$(REDIS_URL)"]
-    assert encoder["env"][0] == {"name": "REDIS_URL",
+                                    "encoder", "--host", "0.0.0.0", "--port", "8000", "--redis", "$(KVFERRY_REDIS_URL)"]
+    assert encoder["env"][0] == {"name": "KVFERRY_REDIS_URL",
                                  "valueFrom": {"secretKeyRef": {"name": "shared-redis", "key": "url"}}}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import json
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -102,6 +103,42 @@ def test_long_prompt_goes_through_prefill_with_the_router_params(pd: dict[str, P
     # The prefill pod's params, never the client's.
     assert decoded[0]["kv_transfer_params"]["remote_engine_id"] == "prefill-0"
     assert decoded[0]["kv_transfer_params"]["remote_host"] == "127.0.0.1"
+
+
+STRUCTURED = {
+    "/v1/completions": {"prompt": LONG_PROMPT, "guided_regex": "[0-9]+",
+                        "response_format": {"type": "json_object"}},
+    "/v1/chat/completions": {
+        "messages": [{"role": "user", "content": LONG_PROMPT}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object"}}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+        "parallel_tool_calls": False},
+}
+
+
+@pytest.mark.parametrize("endpoint", sorted(STRUCTURED))
+def test_both_hops_carry_the_constraint_fields_unchanged(pd: dict[str, Proc],
+                                                         endpoint: str) -> None:
+    """The prefill pod samples the first token under the request's grammar and the decode
+    pod runs it from the start: both get every constraint and tool field as the client
+    sent it (and the router's /tokenize of a chat renders its tools too)."""
+    fields = {**STRUCTURED[endpoint], "model": "fake", "max_tokens": 5}
+    decodes = ("decode-0", "decode-1")
+    before = {pod: len(received(pd[pod])) for pod in ("prefill-0", *decodes)}
+    answer = httpx.post(f"http://127.0.0.1:{pd['router'].port}{endpoint}", json=fields,  # type: ignore[attr-defined]
+                        headers={"Authorization": "Bearer key-one"}, timeout=10)
+    assert answer.status_code == 200, answer.text
+    [prefill_body] = received(pd["prefill-0"])[before["prefill-0"]:]
+    [decode_body] = [b for pod in decodes for b in received(pd[pod])[before[pod]:]]
+    for body in (prefill_body, decode_body):
+        assert {k: body[k] for k in STRUCTURED[endpoint]} == STRUCTURED[endpoint]
+    assert "do_remote_prefill" in decode_body["kv_transfer_params"]
+    if endpoint == "/v1/chat/completions":
+        queries = [q for pod in ("prefill-0", *decodes) for q in httpx.get(
+            f"http://127.0.0.1:{pd[pod].port}/fake/tokenize_bodies").json()]  # type: ignore[attr-defined]
+        mine = [q for q in queries if q.get("messages") == fields["messages"]]
+        assert mine and all(q["tools"] == fields["tools"] for q in mine), queries
 
 
 def test_short_prompt_skips_prefill(pd: dict[str, Proc]) -> None:
@@ -246,6 +283,36 @@ def test_refusing_decode_pod_is_retried_on_the_other(pd: dict[str, Proc]) -> Non
         set_behaviour(pd["decode-0"], "ok")
     assert texts == [" a b c"] * 4
     assert metric(pd["router"], "kvferry:router_retries_total", hop="decode") >= retries + 1
+
+
+def test_a_pod_error_reaches_the_client_as_the_pods_own_error_object(
+        pd: dict[str, Proc], tmp_path: Path, redis_url: str) -> None:
+    """Both decode pods answer 503: the client gets the last one's status and error object as
+    the pod sent it, not the router's 502 with the pod's JSON escaped inside its message."""
+    # A router of its own: the pods it finds failing are set aside by it alone.
+    router = router_process(tmp_path, redis_url, SERVICE)
+    decodes = ("decode-0", "decode-1")
+    try:
+        wait_pools(router, {"decode": list(decodes), "prefill": ["prefill-0"]})
+        for pod in decodes:
+            set_behaviour(pd[pod], "refuse")
+        response = httpx.post(f"http://127.0.0.1:{router.port}/v1/completions",  # type: ignore[attr-defined]
+                              json={"model": "fake", "prompt": "p"}, timeout=30)
+    finally:
+        for pod in decodes:
+            set_behaviour(pd[pod], "ok")
+        router.stop()
+    assert response.status_code == 503, response.text
+    assert response.json() == {"error": {"message": "refusing"}}
+    assert response.headers["x-request-id"]
+
+
+def test_version_says_the_routers_release(pd: dict[str, Proc]) -> None:
+    import kvferry
+
+    response = httpx.get(f"http://127.0.0.1:{pd['router'].port}/version")  # type: ignore[attr-defined]
+    assert response.status_code == 200
+    assert response.json() == {"version": kvferry.__version__}
 
 
 def test_decode_dying_mid_stream_ends_with_an_error_event(pd: dict[str, Proc]) -> None:
@@ -513,3 +580,9 @@ def test_sigterm_lets_a_request_in_flight_finish(pd: dict[str, Proc], tmp_path: 
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == " a b c"
     assert "Traceback" not in router.log(), router.log()
+    # The router says what it waits for: at the signal, then each second of the drain.
+    log = router.log()
+    assert "kvferry.router: SIGTERM: draining 1 request (/v1/completions 1) in flight for up " \
+           "to 30 s; new connections are refused" in log, log
+    assert len(re.findall(r"kvferry.router: draining: 1 request \(/v1/completions 1\) in "
+                          r"flight, \d+ s left", log)) >= 2, log

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import httpx
 import pytest
-from kvferry.router.pod_client import HopTimeout, PodClient
+from kvferry.router.pod_client import HopTimeout, PodClient, PodUnreachable
 from kvferry_testing.procs import Proc, fake_engine, free_port
 
 STREAM_BODY = json.dumps({"model": "fake", "prompt": "p", "stream": True}).encode()
@@ -39,9 +39,13 @@ def set_behaviour(pod: Proc, behaviour: str) -> None:
     httpx.post(base(pod) + "/fake/behaviour", json={"behaviour": behaviour}).raise_for_status()
 
 
-def run(body: Callable[[PodClient], Awaitable[object]]) -> object:
+def received(pod: Proc) -> int:
+    return len(httpx.get(base(pod) + "/fake/requests").json())
+
+
+def run(body: Callable[[PodClient], Awaitable[object]], max_connections: int = 512) -> object:
     async def main() -> object:
-        client = PodClient()
+        client = PodClient(max_connections)
         try:
             return await body(client)
         finally:
@@ -154,13 +158,73 @@ def test_a_pod_that_never_answers_times_out(pod: Proc, timeout: HopTimeout) -> N
         set_behaviour(pod, "ok")
 
 
-def test_a_refused_connection_is_a_connection_error() -> None:
+def test_a_refused_connection_is_a_connection_error_that_says_the_pod_is_unreachable() -> None:
     async def body(client: PodClient) -> None:
         await client.post(f"http://127.0.0.1:{free_port()}", "/v1/completions", WHOLE_BODY,
                           HEADERS, TIMEOUT)
 
-    with pytest.raises(ConnectionError):
+    with pytest.raises(PodUnreachable, match="cannot connect"):
         run(body)
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.02)
+
+
+async def whole(client: PodClient, url: str, timeout: HopTimeout = TIMEOUT) -> int:
+    response = await client.post(url, "/v1/completions", WHOLE_BODY, HEADERS, timeout)
+    await response.read()
+    response.release()
+    return response.status
+
+
+def test_hops_beyond_the_cap_wait_for_a_connection_and_reuse_it(pod: Proc) -> None:
+    """Six requests at once with a cap of two: the pod gets two, the others wait in the
+    router, and all six go over the same two connections."""
+    connections_before, received_before = connections(pod), received(pod)
+
+    async def body(client: PodClient) -> tuple[list[int], int, int]:
+        tasks = [asyncio.create_task(whole(client, base(pod))) for _ in range(6)]
+        await until(lambda: client.num_waiting == 4)
+        held = await asyncio.to_thread(received, pod)
+        open_while_held = client.num_open(base(pod))
+        await asyncio.to_thread(set_behaviour, pod, "ok")
+        return await asyncio.gather(*tasks), held - received_before, open_while_held
+
+    set_behaviour(pod, "hold")
+    try:
+        statuses, held, open_while_held = run(body, max_connections=2)  # type: ignore[misc]
+    finally:
+        set_behaviour(pod, "ok")
+    assert (statuses, held, open_while_held) == ([200] * 6, 2, 2)
+    assert connections(pod) - connections_before == 2
+
+
+def test_a_hop_that_waits_past_its_timeout_fails_and_leaves_the_pool_whole(pod: Proc) -> None:
+    async def body(client: PodClient) -> tuple[str, list[int], int]:
+        held = asyncio.create_task(whole(client, base(pod)))
+        await until(lambda: client.num_open(base(pod)) == 1)
+        with pytest.raises(TimeoutError) as timed_out:
+            await whole(client, base(pod), HopTimeout(connect_s=2.0, read_s=0.3))
+        cancelled = asyncio.create_task(whole(client, base(pod)))
+        await until(lambda: client.num_waiting == 1)
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        assert client.num_waiting == 0
+        await asyncio.to_thread(set_behaviour, pod, "ok")
+        statuses = [await held, await whole(client, base(pod)), await whole(client, base(pod))]
+        return str(timed_out.value), statuses, client.num_open(base(pod))
+
+    set_behaviour(pod, "hold")
+    try:
+        message, statuses, num_open = run(body, max_connections=1)  # type: ignore[misc]
+    finally:
+        set_behaviour(pod, "ok")
+    assert "no connection to 127.0.0.1" in message and "1 open, the most allowed" in message
+    assert statuses == [200, 200, 200] and num_open == 1
 
 
 async def post_twice(
@@ -247,3 +311,37 @@ def test_a_request_the_pod_dropped_unread_on_a_kept_connection_goes_again() -> N
         return await post_twice(client, serve), accepted
 
     assert run(body) == ([(200, b"ok"), (200, b"ok")], 2)
+
+
+def test_a_connection_handed_to_a_hop_cancelled_meanwhile_goes_back_to_the_pool() -> None:
+    """The hop that waited is cancelled (its client left) after a connection was handed to
+    it but before it ran: the connection is not lost to the pool."""
+    answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+
+    async def body(client: PodClient) -> tuple[int, int, int, int]:
+        accepted = 0
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal accepted
+            accepted += 1
+            while await reader.readuntil(b"\r\n\r\n"):
+                await reader.readexactly(len(WHOLE_BODY))
+                writer.write(answer)
+                await writer.drain()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        try:
+            first = await client.post(url, "/v1/completions", WHOLE_BODY, HEADERS, TIMEOUT)
+            waiting = asyncio.create_task(whole(client, url))
+            await until(lambda: client.num_waiting == 1)
+            await first.read()
+            first.release()  # handed to the waiting hop ...
+            waiting.cancel()  # ... which is cancelled before it runs
+            await asyncio.gather(waiting, return_exceptions=True)
+            status = await whole(client, url)
+            return status, accepted, client.num_open(url), client.num_waiting
+        finally:
+            server.close()
+
+    assert run(body, max_connections=1) == (200, 1, 1, 0)

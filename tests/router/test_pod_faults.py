@@ -82,7 +82,7 @@ def test_killed_pod_is_retried_around_then_dropped(service: dict[str, Proc]) -> 
     assert chosen(router)["pod-a"] == before
 
 
-def test_an_engine_pod_registers_its_record_and_leaves_at_once_on_sigterm(
+def test_an_engine_pod_registers_its_record_and_says_it_leaves_on_sigterm(
         tmp_path: Path, redis_url: str) -> None:
     import redis
 
@@ -95,12 +95,18 @@ def test_an_engine_pod_registers_its_record_and_leaves_at_once_on_sigterm(
         record = PodRecord.from_json(store.get(key))
         assert (record.role, record.model, record.url, record.block_size) == (
             "both", "demo", f"http://127.0.0.1:{pod.port}", 16)  # type: ignore[attr-defined]
-        assert (record.num_running, record.num_waiting) == (0, 0)
+        assert (record.num_running, record.num_waiting, record.is_leaving) == (0, 0, False)
         assert 0 < store.pttl(key) <= REGISTRY_TTL_S * 1000
         pod.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 1.0  # well under the TTL: the pod deletes its key
-        while store.exists(key):
+        deadline = time.monotonic() + 1.0  # well under the TTL: the pod says it leaves
+        while not PodRecord.from_json(store.get(key)).is_leaving:
             assert time.monotonic() < deadline, pod.log()
             time.sleep(0.02)
+        # Its last word: nothing refreshes the key after it, and it expires.
+        assert pod.proc.wait(20) == 0
+        deadline = time.monotonic() + REGISTRY_TTL_S + 1.0
+        while store.exists(key):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
     finally:
         pod.stop()

@@ -32,7 +32,7 @@ def router_container(manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str
     env: dict[str, str] = {}
     for ref in container.get("envFrom", ()):
         env.update(config_maps.get(ref.get("configMapRef", {}).get("name"), {}))
-    stand_ins = {"REDIS_URL": "redis://:pw@redis:6379/0", KEY_ENV: STAND_IN_TRANSFER_KEY}
+    stand_ins = {"KVFERRY_REDIS_URL": "redis://:pw@redis:6379/0", KEY_ENV: STAND_IN_TRANSFER_KEY}
     for var in container.get("env", ()):
         env[var["name"]] = var.get("value", stand_ins.get(var["name"], "secret"))
     return container, env
@@ -86,17 +86,31 @@ def test_unknown_policy_names_the_variable() -> None:
 
 def test_redis_and_service_come_from_the_environment_too() -> None:
     args = build_parser(["router"]).parse_args(["router", "--service", "s"])
-    assert settings_from_args(args, {"REDIS_URL": "redis://r:6379/0"}).redis_url == "redis://r:6379/0"
+    assert settings_from_args(args, {"KVFERRY_REDIS_URL": "redis://r:6379/0"}).redis_url == "redis://r:6379/0"
     with pytest.raises(ValueError, match="--redis"):
         settings_from_args(args, {})
 
 
+def test_the_deprecated_redis_url_variable_is_still_read_with_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    args = build_parser(["router"]).parse_args(["router", "--service", "s"])
+    with caplog.at_level("WARNING"):
+        settings = settings_from_args(args, {"REDIS_URL": "redis://old:6379/0"})
+    assert settings.redis_url == "redis://old:6379/0"
+    assert caplog.messages == ["$REDIS_URL is deprecated and will stop being read: set "
+                               "$KVFERRY_REDIS_URL instead"]
+    caplog.clear()
+    both = {"REDIS_URL": "redis://old:6379/0", "KVFERRY_REDIS_URL": "redis://new:6379/0"}
+    assert settings_from_args(args, both).redis_url == "redis://new:6379/0"
+    assert caplog.messages == []
+
+
 def test_the_tokenizer_comes_from_the_flag_or_the_environment() -> None:
-    env = {"REDIS_URL": "redis://r:6379/0", "KVFERRY_ROUTER_TOKENIZER": "/models/llama"}
+    env = {"KVFERRY_REDIS_URL": "redis://r:6379/0", "KVFERRY_ROUTER_TOKENIZER": "/models/llama"}
     parser = build_parser(["router"])
     plain = parser.parse_args(["router", "--service", "s"])
     assert settings_from_args(plain, env).tokenizer == "/models/llama"
-    assert settings_from_args(plain, {"REDIS_URL": "redis://r:6379/0"}).tokenizer is None
+    assert settings_from_args(plain, {"KVFERRY_REDIS_URL": "redis://r:6379/0"}).tokenizer is None
     flagged = parser.parse_args(["router", "--service", "s", "--tokenizer", "demo"])
     assert settings_from_args(flagged, env).tokenizer == "demo"
 
@@ -112,7 +126,7 @@ def test_api_key_file_holds_one_or_several_keys(tmp_path: Path) -> None:
 
 def test_the_drain_timeout_comes_from_the_flag_or_the_pods_drain(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    env = {"REDIS_URL": "redis://r:6379/0"}
+    env = {"KVFERRY_REDIS_URL": "redis://r:6379/0"}
     plain = ["router", "--service", "s"]
     assert settings_from_args(build_parser(plain).parse_args(plain), env).drain_timeout_s == 30
     monkeypatch.setenv("KVFERRY_DRAIN_SECONDS", "75")
@@ -126,7 +140,7 @@ def test_the_drain_timeout_comes_from_the_flag_or_the_pods_drain(
 
 def test_the_transfer_key_comes_from_the_flag_or_the_environment(tmp_path: Path) -> None:
     parser = build_parser(["router"])
-    env = {"REDIS_URL": "redis://r:6379/0"}
+    env = {"KVFERRY_REDIS_URL": "redis://r:6379/0"}
     plain = parser.parse_args(["router", "--service", "s"])
     assert settings_from_args(plain, env).registry_key is None
     from_env = settings_from_args(plain, {**env, KEY_ENV: STAND_IN_TRANSFER_KEY})

@@ -117,6 +117,27 @@ def test_pull_parks_then_schedules_only_the_last_prompt_token(pair) -> None:
     assert free_blocks(scheduler) == start
 
 
+def test_pulled_tokens_filling_whole_blocks_leave_one_new_block_for_the_last_token(
+        pair) -> None:
+    """9 tokens: 8 pulled fill blocks 1-2 exactly, the last prompt token takes a third block
+    when the request is scheduled, and no more (its pulled tokens are not counted twice)."""
+    scheduler, connector = pair
+    start = free_blocks(scheduler)
+    scheduler.add_request(make_request("d", 9, remote_params(9, [5, 6])))
+    run_step(scheduler)
+    assert scheduler.kv_cache_manager.get_block_ids("d") == [1, 2]
+    scheduler.update_from_kv_connector(KVConnectorOutput(finished_pulls=["d"]))
+    output, step_outputs = run_step(scheduler)
+    assert output.num_scheduled_tokens == {"d": 1}
+    assert output.scheduled_new_reqs[0].num_computed_tokens == 8
+    assert scheduler.kv_cache_manager.get_block_ids("d") == [1, 2, 3]
+    assert list(output.scheduled_new_reqs[0].block_ids) == [1, 2, 3]
+    assert [o.new_token_ids for o in step_outputs] == [[TOKEN]]
+    while scheduler.has_requests_to_compute():
+        run_step(scheduler)
+    assert free_blocks(scheduler) == start
+
+
 def test_local_prefix_hits_shorten_the_pull(pair) -> None:
     scheduler, connector = pair
     scheduler.add_request(make_request("a", 10, None))

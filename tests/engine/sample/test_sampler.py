@@ -4,7 +4,7 @@ import pytest
 import torch
 from kvferry.engine.sample.metadata import SamplingMetadata
 from kvferry.engine.sample.sampler import Sampler, SamplerOutput
-from kvferry.engine.sample.seeded_noise import seeded_exponential_noise
+from kvferry.engine.sample.seeded_noise import exponential_of_top_bits, seeded_exponential_noise
 from kvferry.engine.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -242,6 +242,17 @@ def test_seeded_noise_is_exponential_with_rate_one() -> None:
         assert abs(float(row.var()) - 1.0) < 0.02
         # P(E > 2) = e^-2
         assert abs(float((row > 2).float().mean()) - math.exp(-2)) < 0.003
+
+
+def test_the_largest_uniform_still_gives_positive_noise() -> None:
+    # (2^24 - 1 + 0.5) / 2^24 rounds to 1.0 in float32; its noise must not be -log(1) = 0,
+    # or a token of probability 0 scores 0 / 0 = NaN and wins the race.
+    top = torch.tensor([0, 1, 2**23, 2**24 - 2, 2**24 - 1])
+    noise = exponential_of_top_bits(top)
+    assert bool((noise > 0).all()), noise
+    assert noise[-1].item() == 2.0**-25 and noise[-2].item() >= 2.0**-24
+    probs = torch.tensor([[0.0, 1.0]])
+    assert (probs / torch.stack([noise[-1], noise[0]])[None]).argmax().item() == 1
 
 
 def test_seeded_rows_sample_their_probabilities() -> None:

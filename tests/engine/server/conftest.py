@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from kvferry_testing.fixtures import redis_url  # noqa: F401 (fixture of test_registry)
 from kvferry_testing.pd_pods import Trio, start_trio
 from kvferry_testing.serve_helpers import API_KEY, ServerProcess, free_port, serve_command
 

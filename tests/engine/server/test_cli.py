@@ -4,6 +4,7 @@ operator renders for an engine pod parses with the real `kvferry serve` parser."
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from kvferry.engine.arg_utils import engine_config_from_args
 from kvferry.engine.server.cli import check_supported, pod_environment, read_api_key
 from kvferry.kvtransfer.args import kv_transfer_config, read_transfer_key
 from kvferry.kvtransfer.auth import KEY_ENV
+from kvferry.kvtransfer.interfaces import InterfaceAddress
 from kvferry.operator.render import render_children
 from kvferry.operator.spec import parse_spec
 from kvferry_testing.keys import TEST_KEY, TEST_KEY_TEXT
@@ -24,6 +26,10 @@ from kvferry.cli import build_parser
 
 # Per-step token budgets `kvferry serve` defaults to by role (README, --help).
 ROLE_BATCHED_TOKENS = {"both": 2048, "prefill": 8192, "decode": 512}
+# The pod IP `pod_env` stands in for the downward API's, and a pod's interfaces holding it.
+POD_IP = "10.0.0.7"
+POD_INTERFACES = [InterfaceAddress("lo", "127.0.0.1", True),
+                  InterfaceAddress("eth0", POD_IP, False)]
 
 
 def engine_containers(manifest: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, str]]]:
@@ -56,7 +62,7 @@ def pod_env(container: dict[str, Any], config_map: dict[str, str]) -> dict[str, 
     """The container's environment, secret and field references given stand-in values."""
     env = dict(config_map)
     for var in container["env"]:
-        env[var["name"]] = var.get("value", "10.0.0.7" if var["name"] == "POD_IP" else "secret")
+        env[var["name"]] = var.get("value", POD_IP if var["name"] == "POD_IP" else "secret")
     return env
 
 
@@ -82,6 +88,14 @@ def check_rendered(manifest: dict[str, Any]) -> int:
         environment = pod_environment(pod_env(container, config_map))
         assert environment.model_type == spec.model.type
         assert environment.service == spec.name
+        if args.role == "encoder":  # not served yet (check_supported says so)
+            continue
+        # Every pool runs a connector (the ConfigMap names the side-channel port), and its
+        # KV listeners bind the pod IP, on the pod IP's interface only.
+        transfer = kv_transfer_config(args, environment.nixl_port, None, None,
+                                      environment.pod_ip, interfaces=POD_INTERFACES)
+        assert transfer is not None
+        assert (transfer.side_channel_host, transfer.ucx_net_devices) == (POD_IP, "eth0")
     return len(pods)
 
 
@@ -161,8 +175,9 @@ def test_kv_transfer_config_per_role() -> None:
     # The operator's side-channel port turns the connector on for a colocated pod too.
     assert kv_transfer_config(both, 5600, None, None, None).side_channel_port == 5600
     prefill = parse_serve([*base, "--role", "prefill", "--host", "0.0.0.0"])
-    config = kv_transfer_config(prefill, 5600, 12, "fail", "10.0.0.7")
-    assert (config.side_channel_host, config.advertise_host) == ("0.0.0.0", "10.0.0.7")
+    config = kv_transfer_config(prefill, 5600, 12, "fail", POD_IP, interfaces=POD_INTERFACES)
+    # Listening on every interface, the pod's KV listeners bind and advertise its pod IP.
+    assert (config.side_channel_host, config.advertise_host) == (POD_IP, None)
     assert (config.lease_s, config.failure_policy, config.model_id) == (12, "fail", "demo")
     decode = parse_serve([*base, "--role", "decode", "--kv-lease-seconds", "3",
                           "--kv-failure-policy", "recompute"])
@@ -279,3 +294,32 @@ def test_the_embeds_body_limit_applies_only_with_prompt_embeds(
     assert engine_config_from_args(parse_serve([*base, "--enable-prompt-embeds"])) \
         .model.enable_prompt_embeds
     assert not engine_config_from_args(parse_serve(base)).model.enable_prompt_embeds
+
+
+def test_the_redis_url_comes_from_kvferry_redis_url_or_the_deprecated_name(
+        caplog: pytest.LogCaptureFixture) -> None:
+    assert pod_environment({"KVFERRY_REDIS_URL": "redis://new:6379/0"}).redis_url == \
+        "redis://new:6379/0"
+    assert caplog.messages == []
+    with caplog.at_level("WARNING"):
+        assert pod_environment({"REDIS_URL": "redis://old:6379/0"}).redis_url == \
+            "redis://old:6379/0"
+    assert caplog.messages == ["$REDIS_URL is deprecated and will stop being read: set "
+                               "$KVFERRY_REDIS_URL instead"]
+    assert pod_environment({}).redis_url is None
+
+
+def test_a_kv_host_this_machine_does_not_hold_is_a_usage_error_at_start() -> None:
+    done = subprocess.run([sys.executable, "-m", "kvferry.cli", "serve", "--model", "demo",
+                           "--role", "prefill", "--kv-host", "192.0.2.254"],
+                          capture_output=True, text=True, timeout=120, check=False,
+                          env={**os.environ, KEY_ENV: TEST_KEY_TEXT})
+    assert done.returncode == 2, done
+    assert "Traceback" not in done.stderr, done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("kvferry serve: error:")]
+    assert line.startswith("kvferry serve: error: --kv-host 192.0.2.254 is not an address of "
+                           "this machine, which holds 127.0.0.1 (lo)"), line
+    assert line.endswith("; the KV transfer listeners must bind one of them: give it as "
+                         "--kv-host"), line
+    # Refused before an engine process was started.
+    assert "engine-core" not in done.stderr, done.stderr

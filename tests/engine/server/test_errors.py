@@ -56,7 +56,9 @@ BAD_COMPLETIONS = [
     ({"prompt": []}, "prompt", ["prompt"]),
     ({"max_tokens": 3}, "prompt", ["prompt", "required"]),
     ({"prompt": {"text": "w5"}}, "prompt", ["prompt"]),
-    ({"prompt": "w5", "echo": True, "logprobs": 1}, "echo", ["echo", "logprobs"]),
+    ({"prompt": "w5", "suffix": "the end"}, "suffix", ["suffix", "not supported"]),
+    ({"prompt": "w5", "prompt_logprobs": 21}, "prompt_logprobs", ["prompt_logprobs", "20"]),
+    ({"prompt": "w5", "logit_bias": {"5": 101}}, "logit_bias", ["logit_bias[5]", "100"]),
 ]
 
 
@@ -245,7 +247,10 @@ VALID_PROMPTS = (st.text(min_size=1, max_size=20) | st.lists(st.integers(0, 255)
                                                              max_size=6)
                  | st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=3))
 VALID_COMPLETION = st.fixed_dictionaries({"prompt": VALID_PROMPTS}, optional={
-    **VALID_SAMPLING, "logprobs": st.integers(0, 5), "echo": st.booleans()})
+    **VALID_SAMPLING, "logprobs": st.integers(0, 5), "echo": st.booleans(),
+    "prompt_logprobs": st.integers(0, 3),
+    "logit_bias": st.dictionaries(st.integers(0, 255).map(str), st.floats(-100, 100),
+                                  max_size=3)})
 VALID_MESSAGES = st.lists(st.fixed_dictionaries({
     "role": st.sampled_from(["user", "system", "assistant"]),
     "content": st.text(max_size=12)}), min_size=1, max_size=3)
@@ -253,7 +258,8 @@ VALID_CHAT = st.fixed_dictionaries({"messages": VALID_MESSAGES}, optional={
     **VALID_SAMPLING, "logprobs": st.booleans(), "max_completion_tokens": st.integers(2, 8),
     "add_generation_prompt": st.booleans()})
 # ... and any JSON for any field: a hostile or buggy client.
-COMPLETION_FIELDS = [*VALID_SAMPLING, "prompt", "logprobs", "echo", "add_special_tokens"]
+COMPLETION_FIELDS = [*VALID_SAMPLING, "prompt", "logprobs", "echo", "add_special_tokens",
+                     "prompt_logprobs", "logit_bias", "allowed_token_ids", "suffix"]
 CHAT_FIELDS = [*VALID_SAMPLING, "messages", "logprobs", "top_logprobs", "max_completion_tokens",
                "add_generation_prompt", "chat_template_kwargs"]
 ANY_VALUE = JSON_VALUES | st.integers() | _floats(allow_nan=False)

@@ -89,9 +89,9 @@ INERT: dict[str, Any] = {
     "best_of": 1, "suffix": "", "use_beam_search": False, "length_penalty": 1.0,
     "spaces_between_special_tokens": True, "bad_words": [], "logits_processors": [],
     "return_tokens_as_token_ids": False, "return_token_ids": False, "vllm_xargs": {},
-    "response_format": {"type": "text"}, "modalities": ["text"], "functions": [],
+    "modalities": ["text"], "functions": [],
     "continue_final_message": False, "echo": False, "add_special_tokens": False,
-    "documents": [], "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
+    "documents": [],
 }
 
 

@@ -22,7 +22,8 @@ PROBES: list[Any] = [None, True, False, 1, 0, 2**63, 1.0, 0.5, "1", "x", [], [1]
                      ["x"], [[1]], [[True]], [1.0], {}, {"include_usage": True}]
 # Fields whose items the engine's models check further (nested models): the router only
 # checks that they are lists or objects, and relays the rest to the pods.
-NESTED = frozenset({"messages", "stream_options", "chat_template_kwargs", "logit_bias"})
+NESTED = frozenset({"messages", "stream_options", "chat_template_kwargs", "logit_bias",
+                    "response_format", "structured_outputs", "tools"})
 
 
 def engine_answer(endpoint: str, body: dict[str, Any]) -> str | None:

@@ -43,7 +43,7 @@ def test_a_signed_record_verifies_after_its_json_round_trip() -> None:
 @pytest.mark.parametrize("field,value", [
     ("pod", "pod-b"), ("url", "http://10.0.0.8:8000"), ("num_waiting", 0),
     ("kv_cache_usage", 0.5), ("updated_at", NOW + 1), ("role", "prefill"),
-    ("max_model_len", 1), ("max_token_chars", 99)])
+    ("max_model_len", 1), ("max_token_chars", 99), ("is_leaving", True)])
 def test_changing_any_field_breaks_the_mac(field: str, value: object) -> None:
     signed = stored(sign_record(record(), KEY))
     changed = PodRecord(**{**signed.__dict__, field: value})
@@ -61,13 +61,28 @@ def test_unsigned_and_foreign_records_are_refused_only_with_a_key() -> None:
     {"num_waiting": -1000}, {"num_running": -1}, {"kv_cache_usage": -0.1},
     {"kv_cache_usage": 1.01}, {"kv_cache_usage": float("nan")}, {"block_size": 0},
     {"url": "ftp://10.0.0.7/"}, {"url": "http://"}, {"updated_at": NOW + MAX_FUTURE_S + 1},
-    {"num_waiting": True}, {"num_running": "1"}, {"pod": 7}])
+    {"num_waiting": True}, {"num_running": "1"}, {"pod": 7}, {"is_leaving": 1},
+    {"is_leaving": "yes"}])
 def test_out_of_range_records_are_refused_with_a_key_or_without(
         changes: dict[str, object]) -> None:
     for key in (KEY, None):
         assert check_record(record(**changes), key, NOW) is Rejection.OUT_OF_RANGE
     # Signed or not: a MAC does not make a value possible.
     assert check_record(record(**changes), KEY, NOW) is Rejection.OUT_OF_RANGE
+
+
+def test_a_live_record_and_its_mac_read_as_before_the_leaving_flag() -> None:
+    """A live pod's record has no `is_leaving` in its JSON nor in its MAC, so routers and
+    pods from before the flag verify each other's live records; a leaving record's MAC
+    covers the flag, and it survives the JSON round trip."""
+    live = sign_record(record(), KEY)
+    assert "is_leaving" not in live.to_json()
+    assert live.mac == KEY.mac(b"kvferry-pod-record/v1", "pod-a", "svc", "decode", "m",
+                               "http://10.0.0.7:8000", 16, 2, 1, 0.25, NOW, 0, 0)
+    leaving = stored(sign_record(record(is_leaving=True), KEY))
+    assert leaving.is_leaving and check_record(leaving, KEY, NOW) is None
+    assert check_record(PodRecord(**{**leaving.__dict__, "is_leaving": False}), KEY,
+                        NOW) is Rejection.BAD_SIGNATURE
 
 
 def test_a_record_of_integral_floats_verifies_as_signed() -> None:

@@ -149,3 +149,12 @@ def hf_model() -> Callable[..., torch.nn.Module]:
         return model.eval()
 
     return load
+
+
+@pytest.fixture(scope="session")
+def demo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The `demo` checkpoint (random weights, a byte-level BPE tokenizer, so any text and
+    JSON can be written in its tokens), built once per session in a temporary directory."""
+    from kvferry.engine.models.demo import create_demo_checkpoint
+
+    return create_demo_checkpoint(tmp_path_factory.mktemp("demo"))

@@ -13,6 +13,9 @@ publish KV events as an engine whose prefix cache now holds that prompt's full b
 (`"cache_salt"`, hex, is the prompt's extra key: the hash of a prompt of embeddings);
 `GET /fake/tokenize_calls` counts the /tokenize requests it answered, and
 `GET /fake/connections` the client connections its generation requests came on.
+`POST /fake/loop` with `{"work_ms": W}` has every later generation request hold the event
+loop for W ms of Python work first (a pod whose loop parses, tokenizes and detokenizes),
+and with `{"block_s": S}` blocks the loop for S seconds at once, answering afterwards.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import argparse
 import asyncio
 import json
 import os
+import time
 from typing import Any
 
 import uvicorn
@@ -48,6 +52,10 @@ class FakeEngine:
         self._behaviour_changed = asyncio.Event()
         self.received: list[dict[str, Any]] = []
         self.num_tokenize_calls = 0
+        # Seconds of Python work each generation request does on the event loop.
+        self.loop_work_s = 0.0
+        # The /tokenize queries the pod was sent, in order.
+        self.tokenize_bodies: list[dict[str, Any]] = []
         # (host, port) of the connections generation requests came on.
         self.connections: set[tuple[str, int]] = set()
         # Set when it registers in Redis: its KV events go out through it.
@@ -81,14 +89,25 @@ class FakeEngine:
             salt = request.get("cache_salt")
             await _send(send, *self._cache(request["token_ids"],
                                            bytes.fromhex(salt) if salt else None))
+        elif path == "/fake/loop":
+            settings = json.loads(body)
+            self.loop_work_s = settings.get("work_ms", self.loop_work_s * 1000) / 1000
+            _hold_loop(settings.get("block_s", 0.0))
+            await _send(send, 200, b"{}")
         elif path == "/fake/connections":
             await _send(send, 200, json.dumps(len(self.connections)).encode())
         elif path == "/fake/tokenize_calls":
             await _send(send, 200, json.dumps(self.num_tokenize_calls).encode())
+        elif path == "/fake/tokenize_bodies":
+            await _send(send, 200, json.dumps(self.tokenize_bodies).encode())
         elif path == "/tokenize":
             self.num_tokenize_calls += 1
-            prompt = json.loads(body).get("prompt") or ""
-            tokens = [len(word) for word in str(prompt).split()]
+            query = json.loads(body)
+            self.tokenize_bodies.append(query)
+            # One token per word of the prompt, or of the messages' text contents.
+            text = query.get("prompt") or " ".join(
+                str(m.get("content") or "") for m in query.get("messages") or ())
+            tokens = [len(word) for word in text.split()]
             await _send(send, 200, json.dumps({"tokens": tokens, "count": len(tokens)}).encode())
         elif path in ("/v1/completions", "/v1/chat/completions"):
             await self._generate(path, json.loads(body), send)
@@ -106,6 +125,7 @@ class FakeEngine:
         return 200, json.dumps({"num_blocks": len(hashes)}).encode()
 
     async def _generate(self, path: str, body: dict[str, Any], send: Send) -> None:
+        _hold_loop(self.loop_work_s)
         if self.behaviour == "hold":
             # A slow pod: the requests pile up, then all go on at once.
             self.received.append(body)
@@ -166,6 +186,14 @@ class FakeEngine:
             await send({"type": "http.response.body", "more_body": True,
                         "body": b"data: " + json.dumps(chunk).encode() + b"\n\n"})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+def _hold_loop(seconds: float) -> None:
+    """Keeps the event loop busy with Python work (not a sleep: the thread keeps the GIL
+    but for the interpreter's switch interval, as real request handling does)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 async def _send(send: Send, status: int, body: bytes, content_type: str = "application/json"

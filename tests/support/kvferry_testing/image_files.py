@@ -284,3 +284,35 @@ def runtime_files(python: str | Path) -> dict[str, Any]:
 def shell_blocks(markdown: str) -> list[str]:
     """The bodies of the ```bash blocks of a Markdown text."""
     return re.findall(r"```(?:bash|sh|shell)\n(.*?)```", markdown, flags=re.DOTALL)
+
+
+def readme_commands() -> tuple[str, str]:
+    """The README's two set-up commands, from its Quick start: the first (serve the demo)
+    and the second (install the test extras and helm, run the tests)."""
+    quick_start = README.read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    blocks = [block.strip() for block in shell_blocks(quick_start)]
+    if len(blocks) < 2 or any("\n" in block for block in blocks[:2]):
+        raise AssertionError(f"the Quick start should open with two one-line commands: {blocks}")
+    return blocks[0], blocks[1]
+
+
+def script_commands(text: str) -> list[str]:
+    """The command lines of a shell script: no blank lines, comments or `set`/`cd`/`export`
+    preparation."""
+    lines = [line.strip() for line in text.splitlines()]
+    return [line for line in lines
+            if line and not line.startswith(("#", "set ", "cd ", "export "))]
+
+
+def clone_tree(dest: Path) -> Path:
+    """The files a fresh clone of this checkout holds (tracked ones, and new ones git does not
+    ignore), copied into `dest`."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=ROOT, capture_output=True, check=True, timeout=60).stdout
+    for relative in filter(None, listed.decode().split("\0")):
+        source = ROOT / relative
+        if not source.exists():  # deleted in the work tree, not yet in the index
+            continue
+        (dest / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, dest / relative, follow_symlinks=False)
+    return dest
