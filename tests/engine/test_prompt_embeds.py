@@ -6,6 +6,7 @@ refusals that name their check; no tensor outliving its request."""
 from __future__ import annotations
 
 import gc
+import re
 import weakref
 from pathlib import Path
 
@@ -326,3 +327,19 @@ def test_prompt_embeds_cross_as_bytes_and_come_back_equal() -> None:
     without = msgspec.msgpack.encode(EngineCoreRequest("x", [], _greedy(2), [2], 0.0,
                                                        cache_salt=b"s"))
     assert tensor.numel() * 2 < len(wire) - len(without) < tensor.numel() * 2 + 32
+
+
+def test_a_constrained_output_of_an_embedding_prompt(demo_checkpoint: Path) -> None:
+    """Structured outputs constrain what an embedding prompt generates, as for its ids."""
+    from kvferry.engine.sampling_params import StructuredOutputsParams
+
+    llm = LLM(str(demo_checkpoint), dtype="float32", max_model_len=256,
+              kv_cache_memory_bytes=32 << 20, enable_prompt_embeds=True)
+    ids = llm.get_tokenizer().encode("Describe the river and the town")
+    table = _embedding_table(demo_checkpoint)
+    params = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=(
+        StructuredOutputsParams(regex=r"(yes|no|maybe) [0-9]{2}")))
+    by_ids, by_embeds = llm.generate([{"prompt_token_ids": ids}, {"prompt_embeds": table[ids]}],
+                                     params, use_tqdm=False)
+    assert re.fullmatch(r"(yes|no|maybe) [0-9]{2}", by_embeds.outputs[0].text)
+    assert by_embeds.outputs[0].token_ids == by_ids.outputs[0].token_ids
