@@ -14,7 +14,15 @@ baseline is HF at its fastest batch size, measured in a fresh process as a user 
 HF is also run once more in this process, after kvferry has tuned the allocator, and that
 ratio is printed too. The last line printed is one JSON object with the figures.
 
+`--embeds` runs the prompt-embeddings variant of the same workload instead (no HF): kvferry
+with the same prompts given as their rows of the embedding table, over kvferry with them as
+token ids (`embeds_ratio`, target >= 0.95), and token prompts on an engine with
+`enable_prompt_embeds=True` over one without (`flag_cost_ratio`, target >= 0.98). The three
+runs are interleaved over `--repeats` rounds and medians compared, so a busy host slows all
+of them alike.
+
     python benchmarks/offline_throughput.py [--num-requests 64] [--hf-batch-size 16] [--quick]
+    python benchmarks/offline_throughput.py --embeds [--repeats 3] [--quick]
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ import numpy as np
 import torch
 
 TARGET_RATIO = 3.0
+TARGET_EMBEDS_RATIO = 0.95
+TARGET_FLAG_COST_RATIO = 0.98
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 # Wider than HF's default 0.02, so greedy argmax is rarely a near-tie and the two engines'
 # outputs can be compared token for token.
@@ -78,6 +88,9 @@ class RunResult:
     outputs: list[list[int]]
     # Minor page faults during the run (kvferry only).
     page_faults: int = 0
+    # CPU seconds (user + system) this process spent in the run (kvferry only): steadier
+    # than the wall clock on a host busy with other work.
+    cpu_seconds: float = 0.0
 
     def tokens_per_s(self, num_output_tokens: int) -> float:
         return num_output_tokens / self.seconds
@@ -199,7 +212,8 @@ def run_hf(model: Any, workload: Workload, batch_size: int) -> RunResult:
 
 
 # ---------------------------------------------------------------------- kvferry
-def make_llm(path: Path, max_num_seqs: int, max_num_batched_tokens: int) -> Any:
+def make_llm(path: Path, max_num_seqs: int, max_num_batched_tokens: int,
+             enable_prompt_embeds: bool = False, kv_cache_memory_bytes: int | None = None) -> Any:
     from kvferry import LLM
 
     return LLM(
@@ -209,23 +223,34 @@ def make_llm(path: Path, max_num_seqs: int, max_num_batched_tokens: int) -> Any:
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         device="cpu",
+        enable_prompt_embeds=enable_prompt_embeds,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
     )
 
 
-def run_kvferry(llm: Any, workload: Workload) -> RunResult:
+def run_kvferry(llm: Any, workload: Workload,
+                prompts: list[dict[str, Any]] | None = None) -> RunResult:
+    """The workload through `llm`; `prompts` replaces its token-id prompts (embeddings)."""
     from kvferry import SamplingParams
 
-    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    if prompts is None:
+        prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         for n in workload.output_lens
     ]
-    faults = minor_page_faults()
+    faults, cpu = minor_page_faults(), cpu_seconds()
     start = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    faults = minor_page_faults() - faults
-    return RunResult(seconds, [list(r.outputs[0].token_ids) for r in results], faults)
+    faults, cpu = minor_page_faults() - faults, cpu_seconds() - cpu
+    return RunResult(seconds, [list(r.outputs[0].token_ids) for r in results], faults, cpu)
+
+
+def cpu_seconds() -> float:
+    """User and system CPU seconds of this process so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def minor_page_faults() -> int:
@@ -318,6 +343,78 @@ def compare_with_hf(
     }
 
 
+# ---------------------------------------------------------------------- prompt embeddings
+def embeds_prompts(path: Path, workload: Workload) -> list[dict[str, Any]]:
+    """The workload's prompts as their rows of the checkpoint's embedding table: what the
+    model computes from the token ids, so greedy outputs must agree."""
+    from safetensors.torch import load_file
+
+    table = load_file(str(path / "model.safetensors"))["model.embed_tokens.weight"]
+    return [{"prompt_embeds": table[prompt]} for prompt in workload.prompts]
+
+
+def compare_embeds(args: argparse.Namespace, path: Path, workload: Workload,
+                   warmup: Workload) -> dict[str, Any]:
+    """Token prompts on an engine without the flag and with it, and embedding prompts with
+    it, interleaved over `args.repeats` rounds; medians of output tokens/s."""
+    # Two engines live at once: each gets the KV memory the workload needs at most.
+    kv_bytes = 512 * 1024 * 1024
+    engines = {
+        "tokens_flag_off": make_llm(path, args.max_num_seqs, args.max_num_batched_tokens,
+                                    False, kv_bytes),
+        "tokens_flag_on": make_llm(path, args.max_num_seqs, args.max_num_batched_tokens,
+                                   True, kv_bytes),
+    }
+    embeds = embeds_prompts(path, workload)
+    runs: dict[str, list[RunResult]] = {"tokens_flag_off": [], "tokens_flag_on": [],
+                                        "embeds": []}
+    variants = [("tokens_flag_off", "tokens_flag_off", None),
+                ("tokens_flag_on", "tokens_flag_on", None),
+                ("embeds", "tokens_flag_on", embeds)]
+    for engine in engines.values():
+        run_kvferry(engine, warmup)
+    run_kvferry(engines["tokens_flag_on"], warmup, embeds_prompts(path, warmup))
+    num_tokens = workload.num_output_tokens
+    for round_index in range(args.repeats):
+        # Each round starts with another variant, so none always follows the same one.
+        shift = round_index % len(variants)
+        for name, engine, prompts in variants[shift:] + variants[:shift]:
+            result = run_kvferry(engines[engine], workload, prompts)
+            check_lengths(name, result, workload)
+            runs[name].append(result)
+            print(f"round {round_index + 1} {name}: {result.seconds:.2f} s, "
+                  f"{result.tokens_per_s(num_tokens):.1f} output tokens/s; "
+                  f"{result.cpu_seconds:.2f} CPU s")
+    median = {name: float(np.median([r.tokens_per_s(num_tokens) for r in results]))
+              for name, results in runs.items()}
+    # Output tokens per CPU second: what the work costs, whatever else the host runs.
+    per_cpu = {name: float(np.median([num_tokens / r.cpu_seconds for r in results]))
+               for name, results in runs.items()}
+    identical, _ = agreement(runs["embeds"][0], runs["tokens_flag_on"][0])
+    embeds_ratio = median["embeds"] / median["tokens_flag_on"]
+    flag_cost_ratio = median["tokens_flag_on"] / median["tokens_flag_off"]
+    embeds_ratio_cpu = per_cpu["embeds"] / per_cpu["tokens_flag_on"]
+    flag_cost_ratio_cpu = per_cpu["tokens_flag_on"] / per_cpu["tokens_flag_off"]
+    print(f"greedy agreement, embeddings vs token ids: {identical}/{len(workload.prompts)} "
+          "requests identical")
+    print(f"embeds_ratio (embedding prompts / the same as token ids): {embeds_ratio:.3f} "
+          f"(target >= {TARGET_EMBEDS_RATIO}); by CPU time: {embeds_ratio_cpu:.3f}")
+    print(f"flag_cost_ratio (token prompts, flag on / off): {flag_cost_ratio:.3f} "
+          f"(target >= {TARGET_FLAG_COST_RATIO}); by CPU time: {flag_cost_ratio_cpu:.3f}")
+    return {
+        "embeds_ratio": round(embeds_ratio, 3),
+        "flag_cost_ratio": round(flag_cost_ratio, 3),
+        "target_embeds_ratio": TARGET_EMBEDS_RATIO,
+        "target_flag_cost_ratio": TARGET_FLAG_COST_RATIO,
+        "embeds_ratio_cpu": round(embeds_ratio_cpu, 3),
+        "flag_cost_ratio_cpu": round(flag_cost_ratio_cpu, 3),
+        "tokens_per_s": {name: round(value, 2) for name, value in median.items()},
+        "tokens_per_cpu_s": {name: round(value, 2) for name, value in per_cpu.items()},
+        "identical_outputs": identical,
+        "repeats": args.repeats,
+    }
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=64)
@@ -330,6 +427,11 @@ def parse_args() -> argparse.Namespace:
                         help="a tiny model and workload: a smoke run of a few seconds")
     parser.add_argument("--skip-hf", action="store_true",
                         help="measure kvferry only (no ratio)")
+    parser.add_argument("--embeds", action="store_true",
+                        help="the prompt-embeddings variant: embedding prompts against token "
+                             "prompts, and the flag's cost on token prompts (no HF)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="--embeds: interleaved rounds whose medians are compared")
     return parser.parse_args()
 
 
@@ -349,6 +451,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvferry-bench-") as tmp:
         path = Path(tmp)
         build_checkpoint(path, shape, args.seed)
+        if args.embeds:
+            figures = compare_embeds(args, path, workload, warmup)
+            figures.update(num_requests=num_requests,
+                           output_tokens=workload.num_output_tokens)
+            print(json.dumps(figures))
+            return
 
         llm = make_llm(path, args.max_num_seqs, args.max_num_batched_tokens)
         run_kvferry(llm, warmup)

@@ -101,6 +101,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
             max_model_len=args.max_model_len, seed=args.seed,
             served_model_name=args.served_model_name,
+            # `kvferry serve --enable-prompt-embeds` (a flag of the server's inputs group).
+            enable_prompt_embeds=getattr(args, "enable_prompt_embeds", False),
         ),
         cache=CacheConfig(
             block_size=args.block_size,

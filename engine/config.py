@@ -38,6 +38,10 @@ class ModelConfig:
     seed: int = 0
     # Name the server reports for the model; None uses `model`.
     served_model_name: str | None = None
+    # Accept prompts given as embeddings (`{"prompt_embeds": tensor}`) in place of token ids.
+    # Speculative decoding, should it ever exist, cannot be combined with this: a draft
+    # model has no way to read another model's embeddings.
+    enable_prompt_embeds: bool = False
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model must name a checkpoint directory, 'demo' or a hub id")

@@ -186,6 +186,7 @@ class KVConnectorScheduler(KVConnectorSchedulerBase):
         params: KVTransferParams | None,
         prompt_token_ids: Sequence[int],
         num_computed_tokens: int,
+        cache_salt: bytes | None = None,
     ) -> int | None:
         """Tokens past the local prefix hits whose KV a pull will bring (0: compute them;
         None: the held blocks were computed for another prompt, so compute this one here).
@@ -195,7 +196,7 @@ class KVConnectorScheduler(KVConnectorSchedulerBase):
         """
         if params is None or not params.do_remote_prefill:
             return 0
-        if not _same_prompt(prompt_token_ids, params):
+        if not _same_prompt(prompt_token_ids, params, cache_salt):
             logger.warning(
                 "its prompt differs from the one request %s held on %s computed; computing "
                 "it here", params.remote_request_id, params.remote_engine_id)
@@ -341,11 +342,13 @@ class KVConnectorScheduler(KVConnectorSchedulerBase):
         token_ids: Sequence[int],
         num_computed_tokens: int,
         aborted: bool,
+        cache_salt: bytes | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
         """A request ended. Returns (keep its blocks, params to return to the client).
 
         `token_ids`: the request's tokens (prompt and output); the params carry a hash of
-        the held ones, so a consumer can tell they were computed for its prompt. Kept
+        the held ones (and of `cache_salt`, the hash of a prompt given as embeddings), so a
+        consumer can tell they were computed for its prompt. Kept
         blocks are freed when a later get_finished lists the request in `free`.
         """
         if req_id in self._pulling:
@@ -364,7 +367,8 @@ class KVConnectorScheduler(KVConnectorSchedulerBase):
             return False, None
         held = self._hold(req_id, block_ids, num_computed_tokens)
         out = replace(self._params_for_decode(req_id, held, num_computed_tokens),
-                      kvferry_prompt_hash=prompt_hash(token_ids[:num_computed_tokens]))
+                      kvferry_prompt_hash=prompt_hash(token_ids[:num_computed_tokens],
+                                                      cache_salt))
         if self.config.transfer_key is not None:
             out = sign_params(out, self.config.transfer_key, time.time())
         return True, out.to_dict()
@@ -396,13 +400,14 @@ class KVConnectorScheduler(KVConnectorSchedulerBase):
         self._keeper.close()
 
 
-def _same_prompt(prompt_token_ids: Sequence[int], params: KVTransferParams) -> bool:
+def _same_prompt(prompt_token_ids: Sequence[int], params: KVTransferParams,
+                 cache_salt: bytes | None) -> bool:
     """Whether the held blocks were computed for this prompt (True if the producer does not
     say: another implementation; the router is trusted then)."""
     if params.kvferry_prompt_hash is None:
         return True
     held = prompt_token_ids[: params.kvferry_num_tokens]
-    return prompt_hash(held) == params.kvferry_prompt_hash
+    return prompt_hash(held, cache_salt) == params.kvferry_prompt_hash
 
 
 def start_nixl_connector(

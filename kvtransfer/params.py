@@ -135,9 +135,15 @@ class KVTransferParams:
         return {k: v for k, v in out.items() if v is not None}
 
 
-def prompt_hash(token_ids: Sequence[int]) -> str:
-    """A short digest of token ids, the same on every engine."""
+def prompt_hash(token_ids: Sequence[int], cache_salt: bytes | None = None) -> str:
+    """A short digest of token ids, the same on every engine.
+
+    `cache_salt`: the prompt's extra key (the hash of a prompt given as embeddings, whose
+    token ids are placeholders), so that KV computed for other embeddings never matches.
+    """
     digest = hashlib.sha256(b",".join(str(t).encode() for t in token_ids))
+    if cache_salt:
+        digest.update(b"|salt|" + cache_salt)
     return digest.hexdigest()[:32]
 
 

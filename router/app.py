@@ -52,6 +52,9 @@ def error_json(status: int, message: str, code: str | None = None,
 
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# The endpoint whose bodies may carry prompt embeddings, and the field's name as JSON.
+EMBEDS_PATH = "/v1/completions"
+EMBEDS_FIELD = b'"prompt_embeds"'
 # The last event of an OpenAI stream.
 SSE_DONE = b"data: [DONE]\n\n"
 # How long a stream runs before the router starts watching for its client leaving.
@@ -68,6 +71,9 @@ class Gate:
         self.router = router
         self.keys = [k.encode() for k in router.settings.api_keys]
         self.max_body_bytes = router.settings.max_body_bytes
+        # /v1/completions bodies carrying prompt_embeds may be this large.
+        self.max_embeds_body_bytes = max(router.settings.max_embeds_body_bytes,
+                                         self.max_body_bytes)
         # Request ids: a random prefix per router process and a counter (unique across
         # routers and restarts, without a uuid4's urandom call and object per request).
         self._id_prefix = uuid.uuid4().hex[:16]
@@ -122,9 +128,15 @@ class Gate:
             return error_json(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                               code="invalid_api_key")
         length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            return _too_large(self.max_body_bytes)
+        limit = self._body_limit(path)
+        if length is not None and length.isdigit() and int(length) > limit:
+            return _too_large(limit, limit != self.max_body_bytes)
         return None
+
+    def _body_limit(self, path: str) -> int:
+        """The most bytes a body may have: past max_body_bytes only a /v1/completions body
+        with prompt_embeds (checked once it is read)."""
+        return self.max_embeds_body_bytes if path == EMBEDS_PATH else self.max_body_bytes
 
     def _has_key(self, headers: dict[bytes, bytes]) -> bool:
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
@@ -138,11 +150,17 @@ class Gate:
     async def _generate(self, endpoint: str, receive: Receive, send: Send,
                         request_id: str) -> None:
         router = self.router
+        limit = self._body_limit(endpoint)
         try:
-            raw = await _read_body(receive, self.max_body_bytes)
+            raw = await _read_body(receive, limit)
+            if len(raw) > self.max_body_bytes and EMBEDS_FIELD not in raw:
+                limit = self.max_body_bytes
+                raise BodyTooLarge()
         except BodyTooLarge:
-            await _send_error(send, 413, f"the request body is larger than "
-                              f"{self.max_body_bytes} bytes", "request_too_large", request_id)
+            flag = ("--max-body-bytes" if limit == self.max_body_bytes
+                    else "--max-embeds-body-bytes for a body with prompt_embeds")
+            await _send_error(send, 413, f"the request body is larger than {limit} bytes "
+                              f"({flag})", "request_too_large", request_id)
             return
         try:
             answer = await _unless_client_leaves(receive, self._answer(endpoint, raw,
@@ -336,8 +354,10 @@ def _limited(receive: Receive, limit: int) -> Receive:
     return receive_limited
 
 
-def _too_large(limit: int) -> JSONResponse:
-    return error_json(413, f"the request body is larger than {limit} bytes",
+def _too_large(limit: int, embeds: bool = False) -> JSONResponse:
+    flag = "--max-embeds-body-bytes for a body with prompt_embeds" if embeds else \
+        "--max-body-bytes"
+    return error_json(413, f"the request body is larger than {limit} bytes ({flag})",
                       code="request_too_large")
 
 

@@ -28,6 +28,10 @@ from kvferry.router.config import (
 from kvferry.http_limits import add_http_limit_arguments, http_limits_from_args
 from kvferry.protocol.registry import redis_url_from_environment
 
+# Sets --max-embeds-body-bytes where a command line cannot be changed (a service's router
+# or pools take it in their `env`).
+EMBEDS_LIMIT_ENV = "KVFERRY_MAX_EMBEDS_BODY_BYTES"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--service", default=os.environ.get("KVFERRY_SERVICE") or None,
@@ -53,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, metavar="N",
                         help="answer 413 to a request body larger than N bytes, before "
                              "reading it")
+    # A string default goes through `type`, so a bad $KVFERRY_MAX_EMBEDS_BODY_BYTES is a
+    # usage error.
+    parser.add_argument("--max-embeds-body-bytes", type=int, metavar="N",
+                        default=os.environ.get(EMBEDS_LIMIT_ENV) or str(32 * 1024 * 1024),
+                        help="the larger limit of a /v1/completions body that carries "
+                             f"prompt_embeds (default ${EMBEDS_LIMIT_ENV} or 32 MiB; the "
+                             "pods take --max-embeds-body-bytes too)")
     parser.add_argument("--connect-timeout", type=float, default=2.0, metavar="S",
                         help="longest wait for a connection to a pod")
     parser.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S",
@@ -103,6 +114,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Rou
         service=args.service, redis_url=redis_url, host=args.host, port=args.port,
         api_keys=frozenset(keys), policies=policies_from_env(environ),
         prefill_threshold_tokens=args.prefill_threshold, max_body_bytes=args.max_body_bytes,
+        max_embeds_body_bytes=args.max_embeds_body_bytes,
         timeouts=HopTimeouts(args.connect_timeout, args.prefill_timeout, args.decode_timeout),
         uvicorn_log_level=args.uvicorn_log_level, drain_timeout_s=args.drain_timeout,
         tokenizer=args.tokenizer or environ.get("KVFERRY_ROUTER_TOKENIZER") or None,

@@ -54,6 +54,10 @@ class RouterSettings:
     # Skip the prefill hop when fewer prompt tokens than this are not cached on the decode pod.
     prefill_threshold_tokens: int = 256
     max_body_bytes: int = 8 * 1024 * 1024
+    # The larger limit of a /v1/completions body carrying prompt_embeds (base64 of a
+    # torch.save payload: 4/3 of the embeddings' bytes). The router decodes such a payload
+    # (kvferry.protocol.prompt_embeds) to route by its hash, and relays it to both hops.
+    max_embeds_body_bytes: int = 32 * 1024 * 1024
     timeouts: HopTimeouts = field(default_factory=HopTimeouts)
     # How often the router rereads the pod registry.
     registry_poll_s: float = 0.25
@@ -92,6 +96,9 @@ class RouterSettings:
                              f"{self.max_pod_connections}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_embeds_body_bytes < 1024:
+            raise ValueError(f"--max-embeds-body-bytes must be >= 1024, got "
+                             f"{self.max_embeds_body_bytes}")
 
 
 def policies_from_env(environ: Mapping[str, str]) -> dict[str, str]:

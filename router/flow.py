@@ -40,10 +40,22 @@ from kvferry.router.pods import Pod, PodDirectory
 from kvferry.router.policies import Choice, Policy, PrefixAware, RoundRobin, make_policy
 from kvferry.router.prefix_index import PrefixIndex, prompt_block_hashes
 
+from kvferry.protocol.block_hash import hash_request_blocks
 from kvferry.protocol.errors import error_body
+from kvferry.protocol.prompt_embeds import (
+    PLACEHOLDER_TOKEN_ID,
+    PromptEmbedsError,
+    decode_prompt_embeds,
+    embeds_salt,
+)
 from kvferry.protocol.record_auth import Rejection
-from kvferry.protocol.request_checks import check_body, known_fields
-from kvferry.protocol.request_fields import UnknownFields, unknown_names
+from kvferry.protocol.request_checks import (
+    InvalidRequest,
+    check_body,
+    check_prompt_inputs,
+    known_fields,
+)
+from kvferry.protocol.request_fields import COMPLETIONS, UnknownFields, unknown_names
 
 if TYPE_CHECKING:
     from kvferry.engine.frontend.tokenizer import Tokenizer
@@ -150,6 +162,8 @@ class Router:
         InvalidRequest: the body has text or a field type the engine pods refuse (the router
         refuses it the same way, before tokenizing it or spending a prefill hop on it)."""
         check_body(endpoint, body)
+        if endpoint == COMPLETIONS:
+            check_prompt_inputs(body.get("prompt"), body.get("prompt_embeds"))
         unknown = unknown_names(endpoint, body, known_fields(endpoint))
         if unknown:
             self.unknown_fields.record(endpoint, unknown)
@@ -228,6 +242,9 @@ class Router:
     async def _prompt(self, endpoint: str, body: dict[str, Any]) -> Prompt:
         if not self._needs_tokens():
             return Prompt(None, None)
+        payloads = _given_embeds(endpoint, body)
+        if payloads is not None:
+            return await self._embeds_prompt(payloads)
         batch = _given_token_ids(endpoint, body)
         if batch is None:  # text or chat messages: the engine's tokenizer says
             token_ids = await self._tokenize(endpoint, body)
@@ -239,6 +256,28 @@ class Router:
         if hashes is None:
             return Prompt(batch[0], None)
         return Prompt(batch[0], hashes[0], hashes)
+
+    async def _embeds_prompt(self, payloads: list[str]) -> Prompt:
+        """A prompt given as embeddings, as the pods will key its blocks: placeholder ids
+        hashed with the embeddings' hash. Decoded on a tokenizer thread, with the pods'
+        checks that need no model (a payload they would refuse for its width or values
+        still goes to a pod, which says why). InvalidRequest for a payload refused here."""
+        pods = self.pods.pool("decode") or self.pods.pool("prefill")
+        max_rows = (pods[0].record.max_model_len or None) if pods else None
+        loop = asyncio.get_running_loop()
+        try:
+            decoded = await loop.run_in_executor(
+                self._tokenize_pool, _decode_embeds, payloads, max_rows,
+                self.settings.max_embeds_body_bytes)
+        except PromptEmbedsError as exc:
+            raise InvalidRequest(str(exc), param="prompt_embeds") from None
+        block_size = self._block_size()
+        placeholders = [[PLACEHOLDER_TOKEN_ID] * num_rows for num_rows, _ in decoded]
+        if not block_size:
+            return Prompt(placeholders[0], None)
+        hashes = [hash_request_blocks(ids, block_size, [], salt)
+                  for ids, (_, salt) in zip(placeholders, decoded)]
+        return Prompt(placeholders[0], hashes[0], hashes)
 
     def _block_size(self) -> int | None:
         pods = self.pods.pool("decode") or self.pods.pool("prefill")
@@ -426,12 +465,36 @@ def _is_one_prompt(endpoint: str, body: dict[str, Any]) -> bool:
         return False
     if endpoint.endswith("/chat/completions"):
         return True
+    embeds = body.get("prompt_embeds")
+    if embeds is not None:
+        return isinstance(embeds, str) or (isinstance(embeds, list) and len(embeds) == 1)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         return True
     return isinstance(prompt, list) and bool(prompt) and _is_token_ids(prompt)
+
+
+def _given_embeds(endpoint: str, body: dict[str, Any]) -> list[str] | None:
+    """The base64 payloads of a /v1/completions request's prompt_embeds, one per prompt;
+    None without them (check_body made sure of their types)."""
+    embeds = body.get("prompt_embeds") if endpoint == COMPLETIONS else None
+    if embeds is None:
+        return None
+    return [embeds] if isinstance(embeds, str) else list(embeds) or None
+
+
+def _decode_embeds(payloads: list[str], max_rows: int | None,
+                   max_bytes: int) -> list[tuple[int, bytes]]:
+    """(rows, salt) of each payload, decoded as the pods decode it; runs on a thread."""
+    where = (["prompt_embeds"] if len(payloads) == 1
+             else [f"prompt_embeds[{i}]" for i in range(len(payloads))])
+    decoded = []
+    for text, name in zip(payloads, where):
+        tensor = decode_prompt_embeds(text, None, max_rows, max_bytes, where=name)
+        decoded.append((int(tensor.shape[0]), embeds_salt(tensor)))
+    return decoded
 
 
 def _given_token_ids(endpoint: str, body: dict[str, Any]) -> list[list[int]] | None:

@@ -34,6 +34,8 @@ from kvferry.engine.models.source import resolve_model_source
 from kvferry.engine.runner.model_runner import ModelRunner, determine_num_blocks
 from kvferry.engine.structured_output.manager import StructuredOutputManager
 
+from kvferry.protocol.prompt_embeds import PLACEHOLDER_TOKEN_ID
+
 logger = logging.getLogger(__name__)
 
 # Most seconds a step with nothing to compute waits for a grammar to compile (short: the
@@ -96,11 +98,14 @@ class EngineCore:
                 vocab_size=self.arch.vocab_size,
                 max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
                 enable_chunked_prefill=sched_cfg.enable_chunked_prefill,
+                enable_prompt_embeds=model_cfg.enable_prompt_embeds,
+                hidden_size=self.arch.hidden_size,
             ),
             eos_token_ids=list(self.arch.eos_token_ids),
             block_size=cache_cfg.block_size,
             num_blocks=num_blocks,
             kv_transfer_enabled=self.kv_connector is not None,
+            dtype=str(self.dtype).removeprefix("torch."),
         )
         logger.info(
             "engine core ready: %s (%s) on %s, dtype %s, max_model_len %d, %d KV blocks",
@@ -113,11 +118,12 @@ class EngineCore:
         """Queues one sequence; ValueError if it could never be scheduled or is a duplicate."""
         if self.scheduler.has_request(request.req_id):
             raise ValueError(f"request id {request.req_id!r} is already in use")
-        self.info.limits.check_prompt(request.prompt_token_ids)
+        prompt_token_ids, prompt_embeds = self._prompt_of(request)
         self.info.limits.check_params(request.sampling_params)
         self.scheduler.add_request(Request(
             request_id=request.req_id,
-            prompt_token_ids=request.prompt_token_ids,
+            prompt_token_ids=prompt_token_ids,
+            prompt_embeds=prompt_embeds,
             sampling_params=request.sampling_params,
             eos_token_ids=tuple(request.eos_token_ids),
             priority=request.priority,
@@ -126,12 +132,40 @@ class EngineCore:
             kv_transfer_params=request.kv_transfer_params,
         ))
 
+    def _prompt_of(self, request: EngineCoreRequest) -> tuple[list[int], torch.Tensor | None]:
+        """The prompt's token ids (placeholders for a prompt of embeddings) and embeddings;
+        ValueError when the request could never run."""
+        embeds = request.prompt_embeds
+        if embeds is None:
+            self.info.limits.check_prompt(request.prompt_token_ids)
+            return request.prompt_token_ids, None
+        self.info.limits.check_prompt_embeds(embeds.num_tokens, embeds.hidden_size)
+        if request.prompt_token_ids:
+            raise ValueError("a request carries prompt token ids or prompt embeddings, not both")
+        if embeds.dtype != self.info.dtype:
+            raise ValueError(f"prompt embeddings of dtype {embeds.dtype}; the model runs in "
+                             f"{self.info.dtype}")
+        if request.cache_salt is None:
+            # Without their hash every prompt of embeddings of one length would share blocks.
+            raise ValueError("a request with prompt embeddings needs their hash as cache_salt")
+        if request.sampling_params.prompt_logprobs is not None:
+            raise ValueError("prompt logprobs need prompt token ids; the prompt is embeddings")
+        tensor = embeds.to_tensor()
+        return [PLACEHOLDER_TOKEN_ID] * embeds.num_tokens, tensor
+
     def abort_requests(
         self, req_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
     ) -> None:
         """Finishes sequences wherever they are (the front end found a stop string, or the
         client went away); their blocks are freed at once. Unknown ids are ignored."""
         self.scheduler.finish_requests(req_ids, status)
+        self._release_finished_embeds()
+
+    def _release_finished_embeds(self) -> None:
+        """The runner hears of finished requests with the next step, which may be long in
+        coming on an idle engine: their prompt embeddings are let go now."""
+        if self.scheduler.finished_req_ids:
+            self.runner.release_prompt_embeds(self.scheduler.finished_req_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -160,6 +194,7 @@ class EngineCore:
             outputs += self._fail_step(scheduler_output)
         else:
             outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._release_finished_embeds()
         return EngineCoreOutputs(outputs, self.make_stats(), queue_times)
 
     def _admit_compiled_grammars(self) -> list[EngineCoreOutput]:

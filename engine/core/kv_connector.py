@@ -82,13 +82,15 @@ class KVConnectorSchedulerBase(ABC):
 
     @abstractmethod
     def get_num_new_matched_tokens(
-        self, params: TransferParams, prompt_token_ids: Sequence[int], num_computed_tokens: int
+        self, params: TransferParams, prompt_token_ids: Sequence[int], num_computed_tokens: int,
+        cache_salt: bytes | None = None,
     ) -> int | None:
         """Prompt tokens past the `num_computed_tokens` local hits that a pull will bring.
 
         0: nothing to pull, compute them here. None: the parameters cannot serve this prompt
         (they name KV computed for another one); the request computes its own, and the core
-        counts a fallback.
+        counts a fallback. `cache_salt` is the prompt's extra key: with it, the prompt is
+        its token ids and that key (a prompt of embeddings has placeholder ids).
         """
 
     @abstractmethod
@@ -111,8 +113,10 @@ class KVConnectorSchedulerBase(ABC):
     def request_finished(
         self, req_id: str, params: TransferParams, block_ids: BlockIdGroups,
         token_ids: Sequence[int], num_computed_tokens: int, aborted: bool,
+        cache_salt: bytes | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
         """A request ended. Returns (keep its blocks, parameters to return to the client).
+        `cache_salt` as for get_num_new_matched_tokens.
 
         Kept blocks are freed when a later `get_finished` lists the request in `free`.
         """

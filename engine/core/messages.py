@@ -13,12 +13,16 @@ so the same objects go over ZMQ without a hand-written encoding.
 from __future__ import annotations
 
 import enum
-from typing import Any
+import warnings
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from kvferry.engine.sampling_params import SamplingParams
 from kvferry.kvtransfer.metrics import KVTransferStats
 from kvferry.kvtransfer.params import KVTransferParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class FinishReason(enum.IntEnum):
@@ -34,11 +38,60 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
+# The dtypes a prompt embedding may cross in (the model dtypes), by name.
+PROMPT_EMBEDS_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class PromptEmbeds(msgspec.Struct, array_like=True, frozen=True):
+    """A prompt given as embeddings, as it crosses to the core: a `(num_tokens, hidden_size)`
+    tensor's raw bytes (row-major) with its dtype and shape, not a list of floats."""
+
+    data: bytes
+    # A torch dtype name without "torch.": the model's dtype (the front end casts to it).
+    dtype: str
+    num_tokens: int
+    hidden_size: int
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> PromptEmbeds:
+        """The bytes of a 2-D CPU tensor (one copy)."""
+        import torch
+
+        dense = tensor.detach().to("cpu").contiguous()
+        num_tokens, hidden_size = dense.shape
+        data = dense.view(torch.uint8).numpy().tobytes()
+        return cls(data, str(dense.dtype).removeprefix("torch."), num_tokens, hidden_size)
+
+    def to_tensor(self) -> torch.Tensor:
+        """A read-only view of the bytes as a `(num_tokens, hidden_size)` tensor (no copy);
+        ValueError when the fields do not describe the bytes."""
+        import torch
+
+        if self.dtype not in PROMPT_EMBEDS_DTYPES:
+            raise ValueError(f"prompt embeddings of dtype {self.dtype!r}; expected one of "
+                             f"{', '.join(PROMPT_EMBEDS_DTYPES)}")
+        dtype = getattr(torch, self.dtype)
+        if self.num_tokens < 1 or self.hidden_size < 1:
+            raise ValueError(f"prompt embeddings of shape ({self.num_tokens}, "
+                             f"{self.hidden_size}); both sizes must be >= 1")
+        expected = self.num_tokens * self.hidden_size * dtype.itemsize
+        if len(self.data) != expected:
+            raise ValueError(f"prompt embeddings of shape ({self.num_tokens}, "
+                             f"{self.hidden_size}) {self.dtype} need {expected} bytes, got "
+                             f"{len(self.data)}")
+        with warnings.catch_warnings():
+            # The bytes are immutable; the tensor is only ever read (rows are copied out).
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(self.data, dtype=dtype)
+        return flat.view(self.num_tokens, self.hidden_size)
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     """One sequence to generate, already tokenized and validated by the front end."""
 
     # Unique among the engine's unfinished sequences (a child of an n > 1 request has its own).
     req_id: str
+    # Empty when the prompt is given as embeddings (`prompt_embeds`).
     prompt_token_ids: list[int]
     # Validated on construction; the core trusts every field.
     sampling_params: SamplingParams
@@ -53,6 +106,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # The client's `kv_transfer_params`, parsed and validated once, by the front end; the
     # core passes them to its KV connector without reading them.
     kv_transfer_params: KVTransferParams | None = None
+    # The prompt as embeddings, in place of prompt_token_ids; `cache_salt` then holds their
+    # hash (kvferry.protocol.prompt_embeds.embeds_salt).
+    prompt_embeds: PromptEmbeds | None = None
 
 
 # One sampled position: [(token_id, logprob, rank), ...], the sampled token first, then the
@@ -123,6 +179,11 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True):
     queue_times: dict[str, float] = msgspec.field(default_factory=dict)
 
 
+# Why a prompt of embeddings is refused by an engine started without the feature.
+PROMPT_EMBEDS_DISABLED = ("prompt embeddings are disabled on this engine: start it with "
+                          "enable_prompt_embeds=True (--enable-prompt-embeds)")
+
+
 class EngineLimits(msgspec.Struct, array_like=True, frozen=True):
     """What a request must satisfy to ever be scheduled; checked by the front end and the core."""
 
@@ -130,6 +191,9 @@ class EngineLimits(msgspec.Struct, array_like=True, frozen=True):
     vocab_size: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
+    # Prompts may be given as embeddings of `hidden_size` columns (enable_prompt_embeds).
+    enable_prompt_embeds: bool = False
+    hidden_size: int = 0
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raises ValueError naming the problem and the limit."""
@@ -139,16 +203,29 @@ class EngineLimits(msgspec.Struct, array_like=True, frozen=True):
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
-        num_tokens = len(prompt_token_ids)
+        self._check_prompt_length(len(prompt_token_ids), "tokens")
+
+    def check_prompt_embeds(self, num_tokens: int, hidden_size: int) -> None:
+        """Raises ValueError unless the engine takes a prompt of embeddings of this shape."""
+        if not self.enable_prompt_embeds:
+            raise ValueError(PROMPT_EMBEDS_DISABLED)
+        if hidden_size != self.hidden_size:
+            raise ValueError(f"prompt_embeds has {hidden_size} columns; this model's "
+                             f"hidden_size is {self.hidden_size}")
+        if num_tokens < 1:
+            raise ValueError("prompt_embeds has 0 rows: a prompt needs at least one")
+        self._check_prompt_length(num_tokens, "rows of embeddings")
+
+    def _check_prompt_length(self, num_tokens: int, unit: str) -> None:
         if num_tokens > self.max_model_len:
             raise ValueError(
-                f"the prompt has {num_tokens} tokens, more than the maximum model length "
+                f"the prompt has {num_tokens} {unit}, more than the maximum model length "
                 f"of {self.max_model_len}"
             )
         # Without chunked prefill a prompt is computed in one step, so it must fit one.
         if not self.enable_chunked_prefill and num_tokens > self.max_num_batched_tokens:
             raise ValueError(
-                f"the prompt has {num_tokens} tokens, more than max_num_batched_tokens="
+                f"the prompt has {num_tokens} {unit}, more than max_num_batched_tokens="
                 f"{self.max_num_batched_tokens}, and chunked prefill is disabled"
             )
 
@@ -184,6 +261,8 @@ class EngineCoreInfo(msgspec.Struct, array_like=True, frozen=True):
     num_blocks: int
     # The core runs a KV connector: requests may carry kv_transfer_params.
     kv_transfer_enabled: bool = False
+    # The model's dtype (a torch dtype name): prompt embeddings are cast to it.
+    dtype: str = "float32"
 
 
 # ---------------------------------------------------------------- the engine-core socket

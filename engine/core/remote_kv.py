@@ -72,7 +72,8 @@ class RemoteKV:
         KV computed for another prompt is never pulled: the request computes its own.
         """
         num_external = self.connector.get_num_new_matched_tokens(
-            request.kv_transfer_params, request.prompt_token_ids, num_hit_tokens
+            request.kv_transfer_params, request.prompt_token_ids, num_hit_tokens,
+            request.cache_salt,
         )
         if num_external is None:
             logger.warning("request %s: its remote KV was computed for another prompt; "
@@ -142,7 +143,7 @@ class RemoteKV:
         keep, params = self.connector.request_finished(
             request.request_id, request.kv_transfer_params,
             [self._manager.get_block_ids(request.request_id)],
-            request.all_token_ids, request.num_computed_tokens, aborted,
+            request.all_token_ids, request.num_computed_tokens, aborted, request.cache_salt,
         )
         if keep:
             self.kept[request.request_id] = request

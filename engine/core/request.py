@@ -12,6 +12,8 @@ from kvferry.engine.core.messages import FinishReason
 from kvferry.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from kvferry.engine.structured_output.manager import RequestGrammar
 
 
@@ -54,6 +56,8 @@ class Request:
     """One sequence being generated: prompt, outputs and how much of it has KV."""
 
     request_id: str
+    # For a prompt given as embeddings, one placeholder id per row (PLACEHOLDER_TOKEN_ID):
+    # lengths, KV accounting and block hashes (with `cache_salt`) work on them unchanged.
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     # Token ids that end generation unless `ignore_eos` (the model's EOS ids).
@@ -68,6 +72,10 @@ class Request:
     # to the core: only the KV connector reads them. Set to None once a pull is over, so a
     # preempted request recomputes instead of pulling again.
     kv_transfer_params: TransferParams = None
+    # The prompt as embeddings, (num_prompt_tokens, hidden_size) on the CPU in the model's
+    # dtype; None for a prompt of token ids. Dropped when the request finishes, so nothing
+    # keeps a finished request's tensor alive.
+    prompt_embeds: torch.Tensor | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -157,6 +157,8 @@ class Scheduler:
         params = None if self.remote is None else self.remote.request_finished(request)
         if self.remote is None or request.request_id not in self.remote.kept:
             self.kv_cache_manager.free(request)
+        # A finished request keeps no tensor alive (kept blocks need only its ids).
+        request.prompt_embeds = None
         del self.requests[request.request_id]
         self._min_tokens.discard(request.request_id)
         if request.grammar is not None:

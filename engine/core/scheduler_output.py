@@ -8,9 +8,13 @@ preemption) and just the new block ids and progress of the others.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvferry.engine.core.request import Request
 from kvferry.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -29,6 +33,9 @@ class NewRequestData:
     # Back after preemption (its output so far is in token_ids; a seeded request's noise
     # continues from its output length, so it samples what it would have unpreempted).
     is_resumed: bool = False
+    # A prompt given as embeddings (num_prompt_tokens, hidden_size); its token_ids then
+    # start with placeholders. The runner reads its rows while the prompt is computed.
+    prompt_embeds: torch.Tensor | None = None
 
 
 @dataclass
@@ -96,4 +103,5 @@ def new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
         block_ids=block_ids,
         num_computed_tokens=request.num_computed_tokens,
         is_resumed=request.num_preemptions > 0,
+        prompt_embeds=request.prompt_embeds,
     )

@@ -218,7 +218,7 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, ProcessedPrompt):
             # Built by the caller: checked here too, so that it never reaches the core invalid.
-            self.input_processor.limits.check_prompt(prompt.prompt_token_ids)
+            self.input_processor.check_processed(prompt)
             processed = prompt
         else:
             processed = self.input_processor.process_prompt(prompt)
@@ -230,7 +230,7 @@ class AsyncLLM:
         self.output_processor.add_request(make_parent_state(
             self.tokenizer, request_id, processed.prompt, processed.prompt_token_ids,
             {r.req_id: r.sampling_params for r in core_requests}, arrival,
-            RequestOutputKind.DELTA,
+            RequestOutputKind.DELTA, processed.num_tokens,
         ))
         queue: asyncio.Queue[RequestOutput | EngineDeadError] = asyncio.Queue()
         self._queues[request_id] = queue

@@ -12,16 +12,30 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvferry.engine.core.messages import EngineCoreInfo, EngineCoreRequest
+import torch
+from kvferry.engine.core.messages import (
+    PROMPT_EMBEDS_DISABLED,
+    EngineCoreInfo,
+    EngineCoreRequest,
+    PromptEmbeds,
+)
 from kvferry.engine.frontend.tokenizer import Tokenizer
 from kvferry.engine.sampling_params import SamplingParams
 from kvferry.kvtransfer.admission import TransferAdmission
 from kvferry.kvtransfer.params import KVTransferParams
 
+from kvferry.protocol.prompt_embeds import (
+    check_dense_floating,
+    check_embeds,
+    decode_prompt_embeds,
+    embeds_salt,
+    max_payload_bytes,
+)
+
 if TYPE_CHECKING:
     from kvferry.engine.structured_output.grammar import GrammarCompiler
 
-# A prompt: text, token ids, or a dict with "prompt" or "prompt_token_ids".
+# A prompt: text, token ids, or a dict with "prompt", "prompt_token_ids" or "prompt_embeds".
 PromptType = str | list[int] | Mapping[str, Any]
 
 # Separates a request id from a completion index in the id of a child of an `n > 1`
@@ -36,10 +50,22 @@ def child_request_id(request_id: str, index: int) -> str:
 
 @dataclass
 class ProcessedPrompt:
-    """A prompt validated and tokenized."""
+    """A prompt validated and tokenized, or given as embeddings and checked."""
 
     prompt: str | None
+    # Empty for a prompt given as embeddings: it has no token ids.
     prompt_token_ids: list[int]
+    # A prompt given as embeddings: (num_tokens, hidden_size), CPU, in the model's dtype.
+    prompt_embeds: torch.Tensor | None = None
+    # Their hash (`embeds_salt`): the extra prefix-cache key of the prompt's blocks.
+    cache_salt: bytes | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt positions: token ids, or rows of embeddings."""
+        if self.prompt_embeds is not None:
+            return int(self.prompt_embeds.shape[0])
+        return len(self.prompt_token_ids)
 
 
 class InputProcessor:
@@ -56,6 +82,8 @@ class InputProcessor:
         if not eos and tokenizer.eos_token_id is not None:
             eos = [tokenizer.eos_token_id]
         self.eos_token_ids = list(eos)
+        # Prompt embeddings are cast to the model's dtype before they cross to the core.
+        self.dtype: torch.dtype = getattr(torch, info.dtype)
         # Checks structured-output constraints as the core will compile them; made when the
         # first one arrives. Or why none can be made for this model (its tokenizer).
         self._grammar_compiler: GrammarCompiler | None = None
@@ -64,12 +92,60 @@ class InputProcessor:
 
     def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
         """Tokenizes and validates a prompt; ValueError names the problem and the limit."""
+        if isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
+            return self.process_embeds(prompt["prompt_embeds"])
         text, token_ids = _split_prompt(prompt)
         if token_ids is None:
             self.check_text_fits(text or "")
             token_ids = self.tokenizer.encode(text or "")
         self.limits.check_prompt(token_ids)
         return ProcessedPrompt(text, list(token_ids))
+
+    def process_embeds(self, tensor: Any) -> ProcessedPrompt:
+        """A prompt given as a tensor of embeddings, checked (dense floating layout, 2-D after
+        squeezing a leading 1, hidden_size columns, finite, 1..max_model_len rows), hashed
+        and cast to the model's dtype; ValueError names the check that failed."""
+        limits = self.limits
+        if not limits.enable_prompt_embeds:
+            raise ValueError(PROMPT_EMBEDS_DISABLED)
+        if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided:
+            tensor = tensor.detach().cpu()  # a no-op for a CPU tensor
+        # The caller's own tensor is in memory already: no element cap to guard it.
+        tensor = check_dense_floating(tensor, None)
+        return self._embeds_prompt(check_embeds(tensor, limits.hidden_size,
+                                                limits.max_model_len))
+
+    def decode_prompt_embeds(self, text: str, where: str = "prompt_embeds") -> ProcessedPrompt:
+        """A prompt sent as base64 of `torch.save(tensor)` bytes, decoded without trusting
+        them (kvferry.protocol.prompt_embeds); ValueError names the check that failed. It
+        parses, hashes and converts up to megabytes: callers on an event loop run it on a
+        worker thread."""
+        limits = self.limits
+        if not limits.enable_prompt_embeds:
+            raise ValueError(PROMPT_EMBEDS_DISABLED)
+        max_bytes = max_payload_bytes(limits.max_model_len, limits.hidden_size)
+        tensor = decode_prompt_embeds(text, limits.hidden_size, limits.max_model_len,
+                                      max_bytes, where=where)
+        return self._embeds_prompt(tensor)
+
+    def _embeds_prompt(self, tensor: torch.Tensor) -> ProcessedPrompt:
+        """A checked 2-D tensor as a prompt: its salt, then the cast (which copies at most once)."""
+        self.limits.check_prompt_embeds(int(tensor.shape[0]), int(tensor.shape[1]))
+        salt = embeds_salt(tensor)
+        embeds = tensor.to(self.dtype).contiguous()
+        return ProcessedPrompt(None, [], embeds, salt)
+
+    def check_processed(self, prompt: ProcessedPrompt) -> None:
+        """ValueError unless a prompt the caller built fits the core's limits."""
+        if prompt.prompt_embeds is None:
+            self.limits.check_prompt(prompt.prompt_token_ids)
+            return
+        if not self.limits.enable_prompt_embeds:
+            raise ValueError(PROMPT_EMBEDS_DISABLED)
+        if prompt.cache_salt is None or prompt.prompt_embeds.dim() != 2:
+            raise ValueError("a prompt of embeddings needs its salt and a 2-D tensor: build it "
+                             "with process_prompt or decode_prompt_embeds")
+        self.limits.check_prompt_embeds(*map(int, prompt.prompt_embeds.shape))
 
     def check_text_fits(self, text: str) -> None:
         """ValueError when `text` has too many characters to fit max_model_len in tokens.
@@ -107,7 +183,11 @@ class InputProcessor:
             raise ValueError("a request id may not contain the NUL character")
         self.limits.check_params(params)
         self.check_structured_outputs(params)
+        if prompt.prompt_embeds is not None and params.prompt_logprobs is not None:
+            raise ValueError(PROMPT_LOGPROBS_NEED_IDS)
         kv_transfer_params = self._check_kv_transfer_params(kv_transfer_params, params)
+        embeds = (None if prompt.prompt_embeds is None
+                  else PromptEmbeds.from_tensor(prompt.prompt_embeds))
         if params.n == 1:
             children = [(request_id, params)]
         else:
@@ -123,7 +203,9 @@ class InputProcessor:
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=arrival_time,
                 priority=priority,
+                cache_salt=prompt.cache_salt,
                 kv_transfer_params=kv_transfer_params,
+                prompt_embeds=embeds,
             )
             for child_id, child_params in children
         ]
@@ -172,6 +254,11 @@ class InputProcessor:
         return transfer
 
 
+# Prompt logprobs score the prompt's own tokens; an embedding prompt has none.
+PROMPT_LOGPROBS_NEED_IDS = ("prompt logprobs (prompt_logprobs, or echo with logprobs) score "
+                            "the prompt's token ids; a prompt given as embeddings has none")
+
+
 def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
     if isinstance(prompt, str):
         return prompt, None
@@ -182,7 +269,8 @@ def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
             if not isinstance(prompt["prompt"], str):
                 raise ValueError("'prompt' must be a string")
             return prompt["prompt"], None
-        raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (ints)")
+        raise ValueError("a prompt dict needs 'prompt' (text), 'prompt_token_ids' (ints) or "
+                         "'prompt_embeds' (a tensor)")
     if isinstance(prompt, (list, tuple)):
         return None, _token_list(prompt)
     raise ValueError(f"unsupported prompt type {type(prompt).__name__}; use str, ids or dict")

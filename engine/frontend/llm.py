@@ -40,11 +40,13 @@ class LLM:
         attention_backend: str = "auto",
         device: str = "auto",
         served_model_name: str | None = None,
+        enable_prompt_embeds: bool = False,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
                 model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
                 seed=seed, served_model_name=served_model_name,
+                enable_prompt_embeds=enable_prompt_embeds,
             ),
             cache=CacheConfig(
                 block_size=block_size, enable_prefix_caching=enable_prefix_caching,
@@ -73,8 +75,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates completions for every prompt; returns them in input order.
 
-        A prompt is a string, a list of token ids, `{"prompt": text}` or
-        `{"prompt_token_ids": ids}`. All prompts and structured-output constraints are
+        A prompt is a string, a list of token ids, `{"prompt": text}`,
+        `{"prompt_token_ids": ids}`, or (with `enable_prompt_embeds=True`)
+        `{"prompt_embeds": tensor}` of shape `(num_tokens, hidden_size)` (a leading batch
+        dimension of 1 is squeezed). All prompts and structured-output constraints are
         validated before any runs, so a bad one raises ValueError and nothing is queued.
         """
         prompt_list = _as_prompt_list(prompts)

@@ -86,11 +86,14 @@ class ParentState:
 
     request_id: str
     prompt: str | None
+    # Empty for a prompt given as embeddings.
     prompt_token_ids: list[int]
     # Core request id -> completion state.
     children: dict[str, ChildState]
     metrics: RequestMetrics
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Prompt positions (token ids, or rows of embeddings), for the statistics.
+    num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     # From a producer's finished prefill: what the decode hop must carry.
     kv_transfer_params: dict[str, Any] | None = None
@@ -113,8 +116,12 @@ def make_parent_state(
     child_params: dict[str, SamplingParams],
     arrival_time: float,
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    num_prompt_tokens: int | None = None,
 ) -> ParentState:
-    """The output state of a request whose core requests are `child_params` (id -> params)."""
+    """The output state of a request whose core requests are `child_params` (id -> params).
+
+    A prompt given as embeddings has no `prompt_token_ids`: its text is decoded without
+    prompt context, and `num_prompt_tokens` counts its rows."""
     children = {
         child_id: ChildState(
             index=index,
@@ -126,6 +133,7 @@ def make_parent_state(
     parent = ParentState(
         request_id, prompt, prompt_token_ids, children, RequestMetrics(arrival_time),
         output_kind,
+        len(prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens,
     )
     if any(p.prompt_logprobs is not None for p in child_params.values()):
         parent.prompt_logprobs = [None] * len(prompt_token_ids)
@@ -239,7 +247,7 @@ class OutputProcessor:
     ) -> None:
         if child.first_token_time is None:
             child.first_token_time = now
-            stats.num_prompt_tokens += len(parent.prompt_token_ids)
+            stats.num_prompt_tokens += parent.num_prompt_tokens
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
                 parent.num_cached_tokens = max(output.num_cached_tokens, 0)

@@ -28,6 +28,9 @@ class CachedRequestState:
     block_ids: list[int]
     # As of when the row was last (re)built; while in the batch, the row's count is live.
     num_computed_tokens: int
+    # A prompt given as embeddings (num_prompt_tokens, hidden_size); prompt_token_ids then
+    # holds placeholders. Forgotten with the state when the request finishes.
+    prompt_embeds: torch.Tensor | None = None
 
 
 class InputBatch:
@@ -48,6 +51,10 @@ class InputBatch:
             max_num_reqs, self.max_num_blocks_per_req, dtype=torch.int32, device=device
         )
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
+        # Rows whose prompt is given as embeddings, and how many there are (0: every step
+        # runs the plain token path without looking further).
+        self.has_prompt_embeds = np.zeros(max_num_reqs, dtype=bool)
+        self.num_prompt_embeds_rows = 0
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.req_id_to_index: dict[str, int] = {}
         self.states: list[CachedRequestState | None] = [None] * max_num_reqs
@@ -64,6 +71,9 @@ class InputBatch:
         self.num_tokens[row] = len(tokens)
         self.num_prompt_tokens[row] = len(state.prompt_token_ids)
         self.num_computed_tokens[row] = state.num_computed_tokens
+        has_embeds = state.prompt_embeds is not None
+        self.has_prompt_embeds[row] = has_embeds
+        self.num_prompt_embeds_rows += has_embeds
         self.num_blocks[row] = 0
         self.block_table.np[row] = 0  # no block id of the row's previous occupant survives
         self.append_block_ids(row, state.block_ids, record=False)
@@ -79,6 +89,8 @@ class InputBatch:
         for hole in holes:
             self.req_ids[hole] = None
             self.states[hole] = None
+            self.num_prompt_embeds_rows -= bool(self.has_prompt_embeds[hole])
+            self.has_prompt_embeds[hole] = False
         last = self.num_reqs - 1
         for hole in holes:
             while last > hole and self.req_ids[last] is None:
@@ -96,8 +108,9 @@ class InputBatch:
         self.block_table.np[dst, :nb] = self.block_table.np[src, :nb]
         self.block_table.np[dst, nb:] = 0
         for array in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                      self.num_blocks):
+                      self.num_blocks, self.has_prompt_embeds):
             array[dst] = array[src]
+        self.has_prompt_embeds[src] = False
         req_id = self.req_ids[src]
         assert req_id is not None
         self.req_ids[dst], self.req_ids[src] = req_id, None
@@ -129,6 +142,14 @@ class InputBatch:
         rows, num_tokens = rows[fits], num_tokens[fits]
         self.token_ids.np[rows, num_tokens] = token_ids[fits]
         self.num_tokens[rows] = num_tokens + 1
+
+    def prompt_embeds_rows(self, num_reqs: int) -> np.ndarray:
+        """Rows among the first `num_reqs` that still compute prompt positions given as
+        embeddings (before this step's tokens are counted)."""
+        if not self.num_prompt_embeds_rows:
+            return np.empty(0, dtype=np.int64)
+        in_prompt = self.num_computed_tokens[:num_reqs] < self.num_prompt_tokens[:num_reqs]
+        return np.flatnonzero(self.has_prompt_embeds[:num_reqs] & in_prompt)
 
     @property
     def active_req_ids(self) -> list[str]:

@@ -102,6 +102,8 @@ class ModelRunner:
         self.sampler = Sampler()
         # Every request the runner knows, in the batch or not (unscheduled this step).
         self.requests: dict[str, CachedRequestState] = {}
+        # Pinned host rows of prompt embeddings for one step's copy (a GPU; made on first use).
+        self._embeds_staging: torch.Tensor | None = None
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         # Blocks outermost, so one block is one contiguous region across all layers.
@@ -161,7 +163,13 @@ class ModelRunner:
         # The previous step's copy is over: its sampled tokens were read back.
         staged = self.staging.stage(prepared)
         metadata = self._attention_metadata(prepared, staged)
-        hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, metadata)
+        embeds_rows = batch.prompt_embeds_rows(len(req_ids))
+        if embeds_rows.size:
+            inputs_embeds = self._inputs_embeds(staged.input_ids, prepared, num_scheduled,
+                                                embeds_rows)
+            hidden = self.model(None, staged.positions, self.kv_caches, metadata, inputs_embeds)
+        else:  # the plain token path, unchanged for steps without a prompt of embeddings
+            hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, metadata)
         prompt_logprobs = self._prompt_logprobs(hidden, prepared, num_scheduled)
         sampled_rows = prepared.sampled_rows.tolist()
         if not sampled_rows:  # every request is mid-prefill
@@ -174,6 +182,50 @@ class ModelRunner:
         output = self._record_samples(sampled_rows, sampler_output)
         output.prompt_logprobs = prompt_logprobs
         return output
+
+    def _inputs_embeds(
+        self, input_ids: torch.Tensor, prepared: PreparedInputs, num_scheduled: np.ndarray,
+        rows: np.ndarray,
+    ) -> torch.Tensor:
+        """The step's inputs as embeddings: every token looked up in the embedding table,
+        then the prompt positions of `rows` (prompts given as embeddings) overwritten with
+        their rows of the request's tensor.
+
+        Worked example: two rows, row 0 a prompt of 5 embeddings with 2 computed and 4
+        scheduled, row 1 a token prompt with 3 scheduled: query_start_loc = [0, 4, 7]; row 0
+        copies its embeddings [2, 5) into tokens [0, 3); token 3 (its first output token)
+        and tokens [4, 7) keep their table lookups.
+        """
+        batch = self.input_batch
+        embeds = self.model.get_input_embeddings(input_ids)  # (num_tokens, hidden_size)
+        starts = batch.num_computed_tokens[rows].astype(np.int64)
+        ends = np.minimum(starts + num_scheduled[rows], batch.num_prompt_tokens[rows])
+        firsts = prepared.query_start_loc[rows]
+        pieces = [batch.states[row].prompt_embeds[start:end]  # type: ignore[union-attr]
+                  for row, start, end in zip(rows.tolist(), starts.tolist(), ends.tolist())]
+        source = self._embeds_on_device(pieces)
+        offset = 0
+        for first, count in zip(firsts.tolist(), (ends - starts).tolist()):
+            embeds[first:first + count] = source[offset:offset + count]
+            offset += count
+        return embeds
+
+    def _embeds_on_device(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The rows of `pieces` back to back on the device: on a GPU, packed into a pinned
+        staging buffer and moved with one copy."""
+        if self.device.type == "cpu":
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        num_rows = sum(piece.shape[0] for piece in pieces)
+        staging = self._embeds_staging
+        if staging is None or staging.shape[0] < num_rows:
+            staging = torch.empty((max(num_rows, self.max_num_batched_tokens),
+                                   self.arch.hidden_size), dtype=self.dtype,
+                                  pin_memory=torch.cuda.is_available())
+            self._embeds_staging = staging
+        torch.cat(pieces, out=staging[:num_rows])
+        # Non-blocking from pinned memory, like the index arrays (step_staging.py): the next
+        # step reuses the buffer only after this one's sampled tokens were read back.
+        return staging[:num_rows].to(self.device, non_blocking=True)
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, prepared: PreparedInputs, num_scheduled: np.ndarray
@@ -219,6 +271,7 @@ class ModelRunner:
                 output_token_ids=new.token_ids[new.num_prompt_tokens :],
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                prompt_embeds=new.prompt_embeds,
             )
             self.requests[new.req_id] = state
             batch.add_request(state)
@@ -247,6 +300,14 @@ class ModelRunner:
         """Drops everything kept for finished requests (rows are removed by the caller)."""
         for req_id in req_ids:
             self.requests.pop(req_id, None)
+
+    def release_prompt_embeds(self, req_ids: set[str]) -> None:
+        """Drops the embeddings held for finished requests before their rows go (the next
+        step removes those); a finished row is never scheduled, so nothing reads them."""
+        for req_id in req_ids:
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.prompt_embeds = None
 
     def recover_from_failed_step(self, failed_req_ids: list[str]) -> None:
         """Returns to a consistent state after `execute_model` raised.
@@ -289,7 +350,9 @@ class ModelRunner:
         return SamplingMetadata.build(
             params=[s.sampling_params for s in states],
             output_token_ids=[s.output_token_ids for s in states],
-            prompt_token_ids=[s.prompt_token_ids for s in states],
+            # A prompt of embeddings has no token ids for the repetition penalty to see.
+            prompt_token_ids=[s.prompt_token_ids if s.prompt_embeds is None else []
+                              for s in states],
             stop_token_ids_to_block=blocked,
             vocab_size=self.arch.vocab_size,
             device=self.device,

@@ -55,6 +55,9 @@ __all__ = ["ServerSettings", "ServerState", "build_app", "serve"]
 API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 # Routes whose requests a drain waits for.
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# The endpoint whose bodies may carry prompt embeddings, and the field's name as JSON.
+EMBEDS_PATH = "/v1/completions"
+EMBEDS_FIELD = b'"prompt_embeds"'
 # Requests whose bodies are not read.
 _BODYLESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # A client's X-Request-Id is used when it is short and printable.
@@ -107,10 +110,15 @@ class RequestGate:
         The body is read here, whole, because the routes read it whole anyway (JSON), and a
         refusal from inside the app's body parsing would not reach the client as a 413.
         """
-        limit = self.state.settings.max_body_bytes
+        settings = self.state.settings
+        limit = settings.max_body_bytes
+        embeds_limit = settings.max_embeds_body_bytes
+        if embeds_limit is not None and scope["path"] == EMBEDS_PATH:
+            # Past max_body_bytes only a body with prompt_embeds (checked once read).
+            limit = max(limit, embeds_limit)
         length = _header(scope, b"content-length")
         if length is not None and length.strip().isdigit() and int(length) > limit:
-            await _too_large(limit)(scope, receive, send)
+            await _too_large(limit, scope["path"] == EMBEDS_PATH)(scope, receive, send)
             return None
         parts: list[bytes] = []
         size = 0
@@ -121,12 +129,16 @@ class RequestGate:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                await _too_large(limit)(scope, receive, send)
+                await _too_large(limit, scope["path"] == EMBEDS_PATH)(scope, receive, send)
                 return None
             parts.append(chunk)
             if not message.get("more_body"):
                 break
-        return _replaying(b"".join(parts), receive)
+        body = b"".join(parts)
+        if size > settings.max_body_bytes and EMBEDS_FIELD not in body:
+            await _too_large(settings.max_body_bytes)(scope, receive, send)
+            return None
+        return _replaying(body, receive)
 
     def _refusal(self, scope: Scope) -> Response | None:
         api_key = self.state.settings.api_key
@@ -139,9 +151,11 @@ class RequestGate:
         return None
 
 
-def _too_large(limit: int) -> Response:
+def _too_large(limit: int, embeds: bool = False) -> Response:
+    flag = "--max-embeds-body-bytes for a body with prompt_embeds" if embeds else \
+        "--max-body-bytes"
     return error_response(413, f"the request body is larger than the limit of {limit} bytes "
-                               "(--max-body-bytes)", code="request_too_large")
+                               f"({flag})", code="request_too_large")
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from kvferry.engine.arg_utils import add_engine_arguments, engine_config_from_args
 from kvferry.engine.server.state import (
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_EMBEDS_BODY_BYTES,
     DEFAULT_MAX_STOP_BYTES,
     DEFAULT_MAX_STOP_STRINGS,
     TOOL_CALL_PARSERS,
@@ -78,6 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         metavar="N", help="answer 413 to a request body larger than N bytes, "
                                           "before reading it (default 8 MiB, as the router)")
+    # A string default goes through `type`, so a bad $KVFERRY_MAX_EMBEDS_BODY_BYTES is a
+    # usage error.
+    server.add_argument("--max-embeds-body-bytes", type=int, metavar="N",
+                        default=(os.environ.get("KVFERRY_MAX_EMBEDS_BODY_BYTES")
+                                 or str(DEFAULT_MAX_EMBEDS_BODY_BYTES)),
+                        help="with --enable-prompt-embeds: the larger limit of a "
+                             "/v1/completions body that carries prompt_embeds (default "
+                             "$KVFERRY_MAX_EMBEDS_BODY_BYTES or 32 MiB)")
     server.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS,
                         metavar="N", help="answer 400 to a request with more than N stop "
                                           f"strings (default {DEFAULT_MAX_STOP_STRINGS})")
@@ -102,7 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parallel.add_argument("--pipeline-parallel-size", type=int, default=1,
                           help="GPUs the layers are split into stages over (only 1 for now)")
     parallel.add_argument("--enable-prompt-embeds", action="store_true",
-                          help="accept prompt embeddings in place of token ids")
+                          help="accept prompt_embeds (base64 of torch.save tensors) in "
+                               "/v1/completions in place of a prompt")
     add_kv_transfer_arguments(parser)
     add_engine_arguments(parser)
 
@@ -167,6 +177,8 @@ def check_supported(args: argparse.Namespace) -> str | None:
                 f"format: {', '.join(TOOL_CALL_PARSERS)})")
     if args.max_body_bytes < 1024:
         return f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}"
+    if args.max_embeds_body_bytes < 1024:
+        return f"--max-embeds-body-bytes must be >= 1024, got {args.max_embeds_body_bytes}"
     if args.max_stop_strings < 1:
         return f"--max-stop-strings must be >= 1, got {args.max_stop_strings}"
     if args.max_stop_bytes < 1:
@@ -233,6 +245,8 @@ def run(args: argparse.Namespace) -> int:
             max_num_waiting=args.max_num_waiting,
             max_body_bytes=args.max_body_bytes, max_stop_strings=args.max_stop_strings,
             max_stop_bytes=args.max_stop_bytes, drain_timeout_s=args.drain_timeout, log_prompts=args.log_prompts,
+            max_embeds_body_bytes=(args.max_embeds_body_bytes if args.enable_prompt_embeds
+                                   else None),
             uvicorn_log_level=args.uvicorn_log_level,
             registration=_registration(args, env, transfer_key),
             http_limits=http_limits_from_args(args),
@@ -240,9 +254,6 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
         return 2
-    if args.enable_prompt_embeds:
-        logging.getLogger(__name__).warning(
-            "--enable-prompt-embeds: the HTTP API takes no prompt embeddings yet; ignored")
     _warn_about_transfer_security(config.kv_transfer)
     return serve(config, settings)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvferry.engine.frontend.async_llm import AsyncLLM
-from kvferry.engine.frontend.input_processor import ProcessedPrompt
+from kvferry.engine.frontend.input_processor import PROMPT_LOGPROBS_NEED_IDS, ProcessedPrompt
 from kvferry.engine.frontend.outputs import Logprob, PromptLogprobs
 from kvferry.engine.sampling_params import SamplingParams
 from kvferry.engine.server.errors import ApiError, bad_request
@@ -86,14 +87,14 @@ class CompletionJob:
 async def create_completion(
     state: ServerState, body: CompletionRequest, request: Request
 ) -> Response:
-    job = prepare(state, body, request)
+    job = await prepare(state, body, request)
     await check_constraint(job.engine, job.params, job.constraint_param)
     if body.stream:
         return StreamingResponse(stream_completion(job, request), media_type="text/event-stream")
     return JSONResponse((await collect_completion(job, request)).model_dump())
 
 
-def prepare(state: ServerState, body: CompletionRequest, request: Request) -> CompletionJob:
+async def prepare(state: ServerState, body: CompletionRequest, request: Request) -> CompletionJob:
     engine = state.engine
     assert engine is not None  # the middleware answers 503 until the engine is loaded
     record = RequestRecord(request.state.request_id, "completions")
@@ -101,7 +102,13 @@ def prepare(state: ServerState, body: CompletionRequest, request: Request) -> Co
     check_stop_limits(body.stop, state.settings.max_stop_strings, state.settings.max_stop_bytes)
     constraint = constraint_of(body)
     params = body.to_sampling_params(None if constraint is None else constraint.params)
-    prompts = [_process(engine, p, body.add_special_tokens) for p in body.prompts()]
+    body.check_prompt_inputs()
+    if body.prompt_embeds is not None:
+        if params.prompt_logprobs is not None:
+            raise bad_request(PROMPT_LOGPROBS_NEED_IDS, param="prompt_embeds")
+        prompts = await _decode_embeds(engine, body.embeds_payloads())
+    else:
+        prompts = [_process(engine, p, body.add_special_tokens) for p in body.prompts()]
     check_request_fits(engine, prompts, params, "max_tokens")
     check_queue_room(engine, state.settings.max_num_waiting)
     kv_transfer_params = admit_kv_transfer_params(engine, body.kv_transfer_params)
@@ -110,12 +117,35 @@ def prepare(state: ServerState, body: CompletionRequest, request: Request) -> Co
         raise bad_request("prompt logprobs (prompt_logprobs, or echo with logprobs) need the "
                           "whole prompt computed on this pod: they cannot come with the "
                           "kv_transfer_params of a remote prefill", param="kv_transfer_params")
-    record.num_prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
+    record.num_prompt_tokens = sum(p.num_tokens for p in prompts)
     if state.settings.log_prompts:
-        record.prompt_text = " | ".join(p.prompt or str(p.prompt_token_ids) for p in prompts)
+        record.prompt_text = " | ".join(_loggable(p) for p in prompts)
     return CompletionJob(body, engine, random_id("cmpl"), state.served_model_name, now(),
                          prompts, params, record, kv_transfer_params,
                          None if constraint is None else constraint.param)
+
+
+async def _decode_embeds(engine: AsyncLLM, payloads: list[str]) -> list[ProcessedPrompt]:
+    """Each payload decoded and checked (kvferry.protocol.prompt_embeds) on a worker thread:
+    parsing, hashing and casting megabytes must not hold the event loop. A 400 names the
+    payload and the check that refused it."""
+    where = (["prompt_embeds"] if len(payloads) == 1
+             else [f"prompt_embeds[{i}]" for i in range(len(payloads))])
+
+    def decode_all() -> list[ProcessedPrompt]:
+        return [engine.input_processor.decode_prompt_embeds(text, name)
+                for text, name in zip(payloads, where)]
+
+    try:
+        return await asyncio.to_thread(decode_all)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="prompt_embeds") from None
+
+
+def _loggable(prompt: ProcessedPrompt) -> str:
+    if prompt.prompt_embeds is not None:
+        return f"<{prompt.num_tokens} rows of embeddings>"
+    return prompt.prompt or str(prompt.prompt_token_ids)
 
 
 def _process(engine: AsyncLLM, prompt: str | list[int], add_special_tokens: bool) -> ProcessedPrompt:

@@ -34,6 +34,7 @@ from kvferry.protocol.request_checks import (
     INT64_MAX,
     INT64_MIN,
     InvalidRequest,
+    check_prompt_inputs,
     check_unicode,
 )
 from kvferry.protocol.request_fields import CHAT, COMPLETIONS, check_refused, unknown_names
@@ -246,7 +247,11 @@ class CompletionRequest(SamplingRequest):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     _endpoint: ClassVar[str | None] = COMPLETIONS
 
-    prompt: PromptInput
+    # One of prompt and prompt_embeds (check_prompt_inputs).
+    prompt: PromptInput | None = None
+    # vLLM's: the prompt as embeddings, base64 of the bytes torch.save(tensor) writes for a
+    # (num_tokens, hidden_size) tensor; a list of them is a batch (--enable-prompt-embeds).
+    prompt_embeds: str | list[str] | None = None
     max_tokens: Int64 | None = 16
     # Alternatives per position (0 = only the sampled token's logprob).
     logprobs: Int64 | None = None
@@ -269,6 +274,8 @@ class CompletionRequest(SamplingRequest):
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: one string or token-id list per prompt."""
         prompt = self.prompt
+        if prompt is None:
+            return []  # the prompt is prompt_embeds (check_prompt_inputs said which)
         if isinstance(prompt, str):
             batch: list[str | list[int]] = [prompt]
         elif prompt and all(isinstance(p, int) for p in prompt):
@@ -283,6 +290,24 @@ class CompletionRequest(SamplingRequest):
                 param="prompt",
             )
         return batch
+
+    def embeds_payloads(self) -> list[str]:
+        """The batch of prompts given as embeddings: one base64 payload per prompt."""
+        embeds = self.prompt_embeds
+        batch = [] if embeds is None else [embeds] if isinstance(embeds, str) else list(embeds)
+        if not batch:
+            raise bad_request("prompt_embeds must not be empty", param="prompt_embeds")
+        if len(batch) > MAX_NUM_PROMPTS:
+            raise bad_request(f"prompt_embeds holds {len(batch)} prompts, more than the limit "
+                              f"of {MAX_NUM_PROMPTS}", param="prompt_embeds")
+        return batch
+
+    def check_prompt_inputs(self) -> None:
+        """400 unless exactly one of prompt and prompt_embeds is given."""
+        try:
+            check_prompt_inputs(self.prompt, self.prompt_embeds)
+        except InvalidRequest as exc:
+            raise bad_request(str(exc), param=exc.param) from None
 
 
 class ContentPart(OpenAIModel):

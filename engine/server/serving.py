@@ -83,7 +83,7 @@ def check_request_fits(
         raise bad_request(str(exc), param=param_of_message(str(exc))) from None
     if params.max_tokens is None:
         return
-    longest = max(len(p.prompt_token_ids) for p in prompts)
+    longest = max(p.num_tokens for p in prompts)
     if longest + params.max_tokens > limits.max_model_len:
         raise bad_request(
             f"{max_tokens_param} is too large: the prompt has {longest} tokens and "

@@ -12,6 +12,10 @@ from kvferry.protocol.request_fields import UnknownFields
 
 # The largest request body read by default (the router's default too).
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+# The largest /v1/completions body carrying prompt_embeds, by default (the router's too):
+# base64 of a torch.save payload is 4/3 of the tensor's bytes, so this holds prompts of
+# about 24 MiB of embeddings (6,000 float32 rows of 1,024 values).
+DEFAULT_MAX_EMBEDS_BODY_BYTES = 32 * 1024 * 1024
 # The most `stop` strings a request may give, and their most UTF-8 bytes in all. Every new
 # token is matched against each of them, so they bound the work one request adds to every
 # step; clients use a handful (OpenAI takes 4).
@@ -43,6 +47,9 @@ class ServerSettings:
     max_num_waiting: int | None = None
     # 413 for a request body larger than this, before reading it.
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # The larger limit of a /v1/completions body carrying prompt_embeds; None: the engine
+    # takes no prompt embeddings, so no body gets past max_body_bytes.
+    max_embeds_body_bytes: int | None = None
     # 400 for a request with more `stop` strings than this, or more UTF-8 bytes in them.
     max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
     max_stop_bytes: int = DEFAULT_MAX_STOP_BYTES

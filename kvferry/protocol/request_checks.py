@@ -21,7 +21,8 @@ from typing import Any
 from kvferry.protocol.errors import InvalidRequest
 from kvferry.protocol.request_fields import check_refused
 
-__all__ = ["InvalidRequest", "check_body", "check_types", "check_unicode", "known_fields"]
+__all__ = ["InvalidRequest", "check_body", "check_prompt_inputs", "check_types", "check_unicode",
+           "known_fields"]
 
 # Integers cross to the engine core as msgpack, which holds 64 bits.
 INT64_MIN = -(2**63)
@@ -214,7 +215,8 @@ _SAMPLING_FIELDS: dict[str, TypeCheck] = {
 
 COMPLETION_FIELDS: Mapping[str, TypeCheck] = {
     **_SAMPLING_FIELDS,
-    "prompt": _prompt,
+    "prompt": _nullable(_prompt),
+    "prompt_embeds": _nullable(_str_or_strs),
     "max_tokens": _nullable(_int),
     "logprobs": _nullable(_int),
     "echo": _bool,
@@ -236,9 +238,10 @@ CHAT_FIELDS: Mapping[str, TypeCheck] = {
     "parallel_tool_calls": _nullable(_bool),
 }
 
-# Fields a body must have.
+# Fields a body must have, unless it has the alternative (`check_prompt_inputs`).
 REQUIRED_FIELDS: Mapping[str, str] = {"/v1/completions": "prompt",
                                       "/v1/chat/completions": "messages"}
+_ALTERNATIVES: Mapping[str, str] = {"prompt": "prompt_embeds"}
 FIELDS: Mapping[str, Mapping[str, TypeCheck]] = {"/v1/completions": COMPLETION_FIELDS,
                                                  "/v1/chat/completions": CHAT_FIELDS}
 
@@ -253,8 +256,10 @@ def check_types(endpoint: str, body: dict[str, Any]) -> None:
     required = REQUIRED_FIELDS[endpoint]
     for name, check in FIELDS[endpoint].items():
         if name not in body:
-            if name == required:
-                raise InvalidRequest(f"{name}: Field required", param=name)
+            alternative = _ALTERNATIVES.get(name)
+            if name == required and alternative not in body:
+                either = f" (or {alternative})" if alternative else ""
+                raise InvalidRequest(f"{name}: Field required{either}", param=name)
             continue
         problem = check(body[name])
         if problem is None:
@@ -263,6 +268,20 @@ def check_types(endpoint: str, body: dict[str, Any]) -> None:
             where, _, problem = problem.partition(": ")
             raise InvalidRequest(f"{name}{where}: {problem}", param=name + where)
         raise InvalidRequest(f"{name}: {problem}", param=name)
+
+
+def check_prompt_inputs(prompt: Any, prompt_embeds: Any) -> None:
+    """InvalidRequest unless a /v1/completions body gives exactly one of `prompt` and
+    `prompt_embeds` (null is not given): checked after the types, by the pods and the router
+    alike. Beside prompt_embeds an empty prompt ("" or []) counts as none: the official
+    client must send a prompt, and vLLM's examples send "" with embeddings."""
+    if prompt_embeds is None:
+        if prompt is None:
+            raise InvalidRequest("prompt: Field required (or prompt_embeds)", param="prompt")
+        return
+    if prompt is not None and prompt != "" and prompt != []:
+        raise InvalidRequest("prompt_embeds: give either prompt or prompt_embeds, not both",
+                             param="prompt_embeds")
 
 
 def check_body(endpoint: str, body: dict[str, Any]) -> None:

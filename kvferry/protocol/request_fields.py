@@ -102,7 +102,6 @@ REFUSED: Mapping[str, Mapping[str, Refused]] = {
         **_COMMON,
         "suffix": Refused("suffix (text after the completion) is not supported by these "
                           "models: they have no fill-in-the-middle training", _empty),
-        "prompt_embeds": Refused("prompt embeddings are not supported", _empty),
     },
     CHAT: {
         **_COMMON,

@@ -157,3 +157,22 @@ def test_the_transfer_key_comes_from_the_flag_or_the_environment(tmp_path: Path)
     with pytest.raises(ValueError, match=f"--kv-transfer-key-file {key_file}: a KV transfer "
                                          "key needs at least 32 bytes, this one has 5"):
         settings_from_args(flagged, env)
+
+
+def test_the_embeds_body_limit_comes_from_the_flag_or_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {"REDIS_URL": "redis://r:6379/0"}
+    plain = ["router", "--service", "s"]
+
+    def limit(argv: list[str]) -> int:
+        return settings_from_args(build_parser(argv).parse_args(argv), env).max_embeds_body_bytes
+
+    assert limit(plain) == 32 * 1024 * 1024
+    monkeypatch.setenv("KVFERRY_MAX_EMBEDS_BODY_BYTES", "1000000")
+    assert limit(plain) == 1_000_000
+    assert limit([*plain, "--max-embeds-body-bytes", "2000000"]) == 2_000_000
+    with pytest.raises(ValueError, match="--max-embeds-body-bytes must be >= 1024"):
+        limit([*plain, "--max-embeds-body-bytes", "10"])
+    monkeypatch.setenv("KVFERRY_MAX_EMBEDS_BODY_BYTES", "lots")
+    with pytest.raises(SystemExit):  # a usage error, as a bad flag
+        limit(plain)

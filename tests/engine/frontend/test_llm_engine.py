@@ -63,7 +63,8 @@ def _text(tokens: list[int]) -> str:
         ({"prompt_token_ids": [5, 256]}, GREEDY, "token id 256 is outside the vocabulary [0, 256)"),
         ({"prompt_token_ids": [-1, 5]}, GREEDY, "token id -1 is outside the vocabulary"),
         ({"prompt_token_ids": [5, "x"]}, GREEDY, "prompt_token_ids must be a list of integers"),
-        ({"text": "w5"}, GREEDY, "needs 'prompt' (text) or 'prompt_token_ids'"),
+        ({"text": "w5"}, GREEDY, ("needs 'prompt' (text), 'prompt_token_ids' (ints) or "
+                                    "'prompt_embeds'")),
     ],
 )
 def test_bad_prompts_raise_and_the_engine_keeps_serving(llm, prompt, params, message) -> None:

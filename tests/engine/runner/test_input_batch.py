@@ -241,3 +241,27 @@ def test_incremental_updates_equal_a_rebuild(seed: int) -> None:
         assert fresh.num_reqs == n and fresh.active_req_ids == batch.active_req_ids
         assert [row_view(batch, r) for r in range(n)] == [row_view(fresh, r) for r in range(n)]
         assert np.array_equal(batch.block_table.np[:n], fresh.block_table.np[:n])
+
+
+def test_rows_of_prompt_embeddings_are_tracked_through_moves() -> None:
+    """Which rows still compute prompt positions given as embeddings: counted, moved with
+    their rows, and empty (no work at all) when no row has embeddings."""
+    batch = make_batch()
+    fill(batch, 2)  # r0, r1: token prompts
+    assert batch.prompt_embeds_rows(2).tolist() == []
+    embeds = make_state("e", [0, 0, 0, 0], [9], num_computed_tokens=2)
+    embeds.prompt_embeds = torch.zeros(4, 8)
+    assert batch.add_request(embeds) == 2
+    done = make_state("d", [0, 0], [8], output_token_ids=[5], num_computed_tokens=2)
+    done.prompt_embeds = torch.zeros(2, 8)
+    assert batch.add_request(done) == 3
+    assert batch.num_prompt_embeds_rows == 2
+    # "d" has computed its whole prompt: its next input is its sampled token.
+    assert batch.prompt_embeds_rows(4).tolist() == [2]
+    batch.remove_requests(["r0"])  # "d" moves into row 0
+    assert batch.req_ids[:3] == ["d", "r1", "e"]
+    assert batch.has_prompt_embeds[:4].tolist() == [True, False, True, False]
+    assert batch.prompt_embeds_rows(3).tolist() == [2]
+    batch.remove_requests(["e", "d"])
+    assert batch.num_prompt_embeds_rows == 0
+    assert batch.prompt_embeds_rows(1).tolist() == []

@@ -281,6 +281,21 @@ def test_stop_string_limits_default_to_64_strings_and_16_kib() -> None:
         "--max-stop-strings must be >= 1, got 0")
 
 
+def test_the_embeds_body_limit_applies_only_with_prompt_embeds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    base = ["kvferry", "serve", "--model", "demo"]
+    assert parse_serve(base).max_embeds_body_bytes == 32 * 1024 * 1024
+    monkeypatch.setenv("KVFERRY_MAX_EMBEDS_BODY_BYTES", "2000000")
+    assert parse_serve(base).max_embeds_body_bytes == 2_000_000
+    assert parse_serve([*base, "--max-embeds-body-bytes", "3000"]).max_embeds_body_bytes == 3000
+    assert check_supported(parse_serve([*base, "--max-embeds-body-bytes", "10"])) == (
+        "--max-embeds-body-bytes must be >= 1024, got 10")
+    # The engine config carries the flag to the core.
+    assert engine_config_from_args(parse_serve([*base, "--enable-prompt-embeds"])) \
+        .model.enable_prompt_embeds
+    assert not engine_config_from_args(parse_serve(base)).model.enable_prompt_embeds
+
+
 def test_the_redis_url_comes_from_kvferry_redis_url_or_the_deprecated_name(
         caplog: pytest.LogCaptureFixture) -> None:
     assert pod_environment({"KVFERRY_REDIS_URL": "redis://new:6379/0"}).redis_url == \

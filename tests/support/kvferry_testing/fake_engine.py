@@ -9,7 +9,8 @@ $KVFERRY_KV_TRANSFER_KEY when set), and plays a prefill pod's part: given
 `{"behaviour": "ok" | "refuse" | "invalid" | "cut" | "drop" | "hang" | "hold"}` makes it answer
 503, answer 400 as an engine refusing a bad request, cut streams after one chunk or before the
 first, never answer, or hold requests until the behaviour changes and then answer them. `POST /fake/cache` with `{"token_ids": [...]}` has it
-publish KV events as an engine whose prefix cache now holds that prompt's full blocks;
+publish KV events as an engine whose prefix cache now holds that prompt's full blocks
+(`"cache_salt"`, hex, is the prompt's extra key: the hash of a prompt of embeddings);
 `GET /fake/tokenize_calls` counts the /tokenize requests it answered, and
 `GET /fake/connections` the client connections its generation requests came on.
 `POST /fake/loop` with `{"work_ms": W}` has every later generation request hold the event
@@ -84,7 +85,10 @@ class FakeEngine:
             self._behaviour_changed = asyncio.Event()
             await _send(send, 200, b"{}")
         elif path == "/fake/cache":
-            await _send(send, *self._cache(json.loads(body)["token_ids"]))
+            request = json.loads(body)
+            salt = request.get("cache_salt")
+            await _send(send, *self._cache(request["token_ids"],
+                                           bytes.fromhex(salt) if salt else None))
         elif path == "/fake/loop":
             settings = json.loads(body)
             self.loop_work_s = settings.get("work_ms", self.loop_work_s * 1000) / 1000
@@ -110,12 +114,13 @@ class FakeEngine:
         else:
             await _send(send, 404, b'{"error": {"message": "not found"}}')
 
-    def _cache(self, token_ids: list[int]) -> tuple[int, bytes]:
+    def _cache(self, token_ids: list[int], cache_salt: bytes | None) -> tuple[int, bytes]:
         """Publishes `stored` KV events for the prompt's full blocks, hashed as the engine's
-        block pool hashes them, through the same registrar path an engine step takes."""
+        block pool hashes them (with the prompt's extra key, if any), through the same
+        registrar path an engine step takes."""
         if self.registrar is None:
             return 409, b'{"error": {"message": "not registered in Redis"}}'
-        hashes = hash_request_blocks(token_ids, BLOCK_SIZE, [])
+        hashes = hash_request_blocks(token_ids, BLOCK_SIZE, [], cache_salt)
         self.registrar.record_stats(SchedulerStats(stored_block_hashes=hashes), None)
         return 200, json.dumps({"num_blocks": len(hashes)}).encode()
 
