@@ -51,6 +51,7 @@ from offline_throughput import (  # noqa: E402
     PAD_ID,
     ModelShape,
     Workload,
+    hf_generate_batch,
     make_workload,
     quiet_hf,
     save_word_tokenizer,
@@ -226,25 +227,13 @@ def gpu_busy_share(engine: Any, device: torch.device, num_steps: int = 8) -> flo
 def run_hf(path: Path, workload: Workload, batch_size: int, device: torch.device,
            dtype: torch.dtype) -> float:
     """Output tokens per second of HF `generate`, static left-padded batches in order."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
     start = time.perf_counter()
     for first in range(0, len(workload.prompts), batch_size):
-        prompts = workload.prompts[first:first + batch_size]
         new_tokens = max(workload.output_lens[first:first + batch_size])
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
-        config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, eos_token_id=[],
-                                  pad_token_id=PAD_ID)
-        with torch.inference_mode():
-            model.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                           generation_config=config)
+        hf_generate_batch(model, workload.prompts[first:first + batch_size], new_tokens, device)
     synchronize(device)
     seconds = time.perf_counter() - start
     del model
@@ -363,7 +352,7 @@ def main() -> None:
         llm = make_llm(path, setup, args.device, dtype_name)
         run_offline(llm, Workload(workload.prompts[:4], [4] * 4))  # warm-up
         tok_s = run_offline(llm, workload)
-        figures["tok_s"] = round(tok_s, 1)
+        figures["tok_s"] = round(tok_s, 4)
         print(f"kvferry offline: {tok_s:,.0f} output tokens/s "
               f"({workload.num_output_tokens} tokens, {setup.num_requests} requests)", flush=True)
 
@@ -372,7 +361,7 @@ def main() -> None:
         num_kv_tokens = setup.decode_batch * (setup.decode_context + args.decode_steps // 2)
         floor_ms = 1e3 * (weight_bytes(setup.shape, element_size)
                           + kv_bytes(setup.shape, num_kv_tokens, element_size)) / bandwidth
-        figures.update(decode_step_ms=round(step_ms, 3), floor_ms=round(floor_ms, 3),
+        figures.update(decode_step_ms=round(step_ms, 4), floor_ms=round(floor_ms, 4),
                        floor_ratio=round(step_ms / floor_ms, 2),
                        gpu_busy=None if busy is None else round(busy, 3))
         print(f"decode step at batch {setup.decode_batch}, ~{setup.decode_context} context: "
@@ -384,13 +373,13 @@ def main() -> None:
 
         if not args.skip_hf:
             hf_tok_s = run_hf(path, workload, setup.hf_batch_size, device, dtype)
-            figures.update(hf_tok_s=round(hf_tok_s, 1), ratio_vs_hf=round(tok_s / hf_tok_s, 2))
+            figures.update(hf_tok_s=round(hf_tok_s, 4), ratio_vs_hf=round(tok_s / hf_tok_s, 3))
             print(f"HF generate (batches of {setup.hf_batch_size}): {hf_tok_s:,.0f} tokens/s; "
                   f"kvferry / HF = {tok_s / hf_tok_s:.2f}", flush=True)
         if not args.skip_server:
             server_tok_s = run_server(path, setup, workload, args.device, dtype_name,
                                       Path(tmp_name) / "serve.log")
-            figures.update(server_tok_s=round(server_tok_s, 1),
+            figures.update(server_tok_s=round(server_tok_s, 4),
                            server_ratio=round(server_tok_s / tok_s, 3))
             print(f"kvferry serve, the workload at once: {server_tok_s:,.0f} tokens/s; "
                   f"server / offline = {server_tok_s / tok_s:.2f}", flush=True)

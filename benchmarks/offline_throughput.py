@@ -175,8 +175,10 @@ def load_hf_model(path: Path) -> Any:
     return model.eval()
 
 
-def hf_generate_batch(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy `generate` of one left-padded static batch; returns the new ids per row."""
+def hf_generate_batch(model: Any, prompts: list[list[int]], max_new_tokens: int,
+                      device: torch.device | None = None) -> list[list[int]]:
+    """Greedy `generate` of one left-padded static batch (on `device`, else the CPU);
+    returns the new ids per row."""
     from transformers import GenerationConfig
 
     width = max(len(p) for p in prompts)
@@ -193,6 +195,8 @@ def hf_generate_batch(model: Any, prompts: list[list[int]], max_new_tokens: int)
         pad_token_id=PAD_ID,
     )
     with torch.inference_mode():
+        if device is not None:
+            input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         out = model.generate(
             input_ids=input_ids, attention_mask=attention_mask, generation_config=config
         )

@@ -14,17 +14,18 @@ from typing import Any
 
 import httpx
 import pytest
-from kvferry.engine.server.errors import ApiError, validation_message
-from kvferry.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvferry_testing.request_answers import (
+    CHAT,
+    COMPLETIONS,
+    MODELS,
+    engine_answer,
+    router_answer,
+)
 from kvferry_testing.serve_helpers import API_KEY, ServerProcess
-from pydantic import BaseModel, ValidationError
 
-from kvferry.protocol.request_checks import InvalidRequest, check_body, known_fields
+from kvferry.protocol.request_checks import known_fields
 from kvferry.protocol.request_fields import IGNORED, REFUSED
 
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-MODELS: dict[str, type[BaseModel]] = {COMPLETIONS: CompletionRequest,
-                                      CHAT: ChatCompletionRequest}
 VALID: dict[str, dict[str, Any]] = {
     COMPLETIONS: {"model": "tiny", "prompt": "w5 w6", "max_tokens": 2},
     CHAT: {"model": "tiny", "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2},
@@ -95,27 +96,6 @@ INERT: dict[str, Any] = {
 }
 
 
-def engine_answer(endpoint: str, body: dict[str, Any]) -> str | None:
-    """The param of the engine's refusal (model or sampling params), or None."""
-    try:
-        request = MODELS[endpoint].model_validate(body)
-        request.to_sampling_params()
-    except ApiError as exc:
-        assert exc.status == 400
-        return exc.param
-    except ValidationError as exc:
-        return validation_message(exc.errors())[1]
-    return None
-
-
-def router_answer(endpoint: str, body: dict[str, Any]) -> str | None:
-    try:
-        check_body(endpoint, body)
-    except InvalidRequest as exc:
-        return exc.param
-    return None
-
-
 CASES = [(endpoint, name) for endpoint, names in SCHEMAS.items() for name in names]
 
 
@@ -132,7 +112,7 @@ def test_each_schema_field_is_honoured_or_refused_by_name(endpoint: str, name: s
         return  # honoured: what each does is tested where it is built
     body = {**VALID[endpoint], name: ASKING[name], **BESIDE.get(name, {})}
     expected = name if name in refused else None
-    assert engine_answer(endpoint, body) == expected
+    assert engine_answer(endpoint, body, sampling=True) == expected
     assert router_answer(endpoint, body) == expected
     if name in refused:
         assert refused[name].why  # the message says why, not only that
@@ -143,7 +123,7 @@ def test_each_schema_field_is_honoured_or_refused_by_name(endpoint: str, name: s
 def test_a_refused_field_that_asks_for_nothing_is_accepted(endpoint: str, name: str) -> None:
     for value in [None, *([INERT[name]] if name in INERT else [])]:
         body = {**VALID[endpoint], name: value}
-        assert engine_answer(endpoint, body) is None, (name, value)
+        assert engine_answer(endpoint, body, sampling=True) is None, (name, value)
         assert router_answer(endpoint, body) is None, (name, value)
 
 

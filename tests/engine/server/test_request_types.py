@@ -7,14 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from kvferry.engine.server.errors import validation_message
-from kvferry.engine.server.protocol import ChatCompletionRequest, CompletionRequest
-from pydantic import BaseModel, ValidationError
+from kvferry_testing.request_answers import MODELS, engine_answer, router_answer
 
-from kvferry.protocol.request_checks import FIELDS, InvalidRequest, check_body
+from kvferry.protocol.request_checks import FIELDS
 
-MODELS: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,
-                                      "/v1/chat/completions": ChatCompletionRequest}
 VALID = {"/v1/completions": {"prompt": "w5"},
          "/v1/chat/completions": {"messages": [{"role": "user", "content": "w5"}]}}
 # A value of each JSON type, in ranges every field of that type takes.
@@ -24,23 +20,6 @@ PROBES: list[Any] = [None, True, False, 1, 0, 2**63, 1.0, 0.5, "1", "x", [], [1]
 # checks that they are lists or objects, and relays the rest to the pods.
 NESTED = frozenset({"messages", "stream_options", "chat_template_kwargs", "logit_bias",
                     "response_format", "structured_outputs", "tools"})
-
-
-def engine_answer(endpoint: str, body: dict[str, Any]) -> str | None:
-    """The param of the engine's type refusal, or None when its model takes the body."""
-    try:
-        MODELS[endpoint].model_validate(body)
-    except ValidationError as exc:
-        return validation_message(exc.errors())[1]
-    return None
-
-
-def router_answer(endpoint: str, body: dict[str, Any]) -> str | None:
-    try:
-        check_body(endpoint, body)
-    except InvalidRequest as exc:
-        return exc.param
-    return None
 
 
 CASES = [(endpoint, name, probe) for endpoint in FIELDS for name in FIELDS[endpoint]
