@@ -18,8 +18,8 @@ ratio is printed too. The last line printed is one JSON object with the figures.
 with the same prompts given as their rows of the embedding table, over kvferry with them as
 token ids (`embeds_ratio`, target >= 0.95), and token prompts on an engine with
 `enable_prompt_embeds=True` over one without (`flag_cost_ratio`, target >= 0.98). The three
-runs are interleaved over `--repeats` rounds and medians compared, so a busy host slows all
-of them alike.
+runs are interleaved over `--repeats` rounds and the best run of each compared (other work
+on the host only adds time).
 
     python benchmarks/offline_throughput.py [--num-requests 64] [--hf-batch-size 16] [--quick]
     python benchmarks/offline_throughput.py --embeds [--repeats 3] [--quick]
@@ -360,7 +360,7 @@ def embeds_prompts(path: Path, workload: Workload) -> list[dict[str, Any]]:
 def compare_embeds(args: argparse.Namespace, path: Path, workload: Workload,
                    warmup: Workload) -> dict[str, Any]:
     """Token prompts on an engine without the flag and with it, and embedding prompts with
-    it, interleaved over `args.repeats` rounds; medians of output tokens/s."""
+    it, interleaved over `args.repeats` rounds; the best output tokens/s of each."""
     # Two engines live at once: each gets the KV memory the workload needs at most.
     kv_bytes = 512 * 1024 * 1024
     engines = {
@@ -383,20 +383,27 @@ def compare_embeds(args: argparse.Namespace, path: Path, workload: Workload,
         # Each round starts with another variant, so none always follows the same one.
         shift = round_index % len(variants)
         for name, engine, prompts in variants[shift:] + variants[:shift]:
+            # Every run computes its prompts: none finds them cached by an earlier round.
+            if not engines[engine].llm_engine.kv_cache_manager.reset_prefix_cache():
+                raise RuntimeError(f"{engine}: blocks still in use after a run")
             result = run_kvferry(engines[engine], workload, prompts)
             check_lengths(name, result, workload)
             runs[name].append(result)
             print(f"round {round_index + 1} {name}: {result.seconds:.2f} s, "
                   f"{result.tokens_per_s(num_tokens):.1f} output tokens/s; "
                   f"{result.cpu_seconds:.2f} CPU s")
+    # Best of the rounds: other work on the host only ever adds time to a run, so the
+    # fastest run of each is the one least disturbed (medians are reported beside).
+    best = {name: max(r.tokens_per_s(num_tokens) for r in results)
+            for name, results in runs.items()}
     median = {name: float(np.median([r.tokens_per_s(num_tokens) for r in results]))
               for name, results in runs.items()}
     # Output tokens per CPU second: what the work costs, whatever else the host runs.
-    per_cpu = {name: float(np.median([num_tokens / r.cpu_seconds for r in results]))
+    per_cpu = {name: max(num_tokens / r.cpu_seconds for r in results)
                for name, results in runs.items()}
     identical, _ = agreement(runs["embeds"][0], runs["tokens_flag_on"][0])
-    embeds_ratio = median["embeds"] / median["tokens_flag_on"]
-    flag_cost_ratio = median["tokens_flag_on"] / median["tokens_flag_off"]
+    embeds_ratio = best["embeds"] / best["tokens_flag_on"]
+    flag_cost_ratio = best["tokens_flag_on"] / best["tokens_flag_off"]
     embeds_ratio_cpu = per_cpu["embeds"] / per_cpu["tokens_flag_on"]
     flag_cost_ratio_cpu = per_cpu["tokens_flag_on"] / per_cpu["tokens_flag_off"]
     print(f"greedy agreement, embeddings vs token ids: {identical}/{len(workload.prompts)} "
@@ -412,7 +419,8 @@ def compare_embeds(args: argparse.Namespace, path: Path, workload: Workload,
         "target_flag_cost_ratio": TARGET_FLAG_COST_RATIO,
         "embeds_ratio_cpu": round(embeds_ratio_cpu, 3),
         "flag_cost_ratio_cpu": round(flag_cost_ratio_cpu, 3),
-        "tokens_per_s": {name: round(value, 2) for name, value in median.items()},
+        "tokens_per_s": {name: round(value, 2) for name, value in best.items()},
+        "median_tokens_per_s": {name: round(value, 2) for name, value in median.items()},
         "tokens_per_cpu_s": {name: round(value, 2) for name, value in per_cpu.items()},
         "identical_outputs": identical,
         "repeats": args.repeats,
@@ -434,8 +442,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--embeds", action="store_true",
                         help="the prompt-embeddings variant: embedding prompts against token "
                              "prompts, and the flag's cost on token prompts (no HF)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="--embeds: interleaved rounds whose medians are compared")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="--embeds: interleaved rounds; the best run of each variant "
+                             "is compared")
     return parser.parse_args()
 
 
