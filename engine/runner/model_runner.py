@@ -102,6 +102,9 @@ class ModelRunner:
         self.sampler = Sampler()
         # Every request the runner knows, in the batch or not (unscheduled this step).
         self.requests: dict[str, CachedRequestState] = {}
+        # Requests whose prompt logprobs are still to be computed (prompt_logprobs asked,
+        # prefill not done): the only ones a step scores its prompt positions for.
+        self._scoring_prompts: set[str] = set()
         # Pinned host rows of prompt embeddings for one step's copy (a GPU; made on first use).
         self._embeds_staging: torch.Tensor | None = None
 
@@ -238,13 +241,20 @@ class ModelRunner:
         """
         batch = self.input_batch
         result: dict[str, tuple[int, list[list[tuple[int, float, int]]]]] = {}
-        for row, state in enumerate(batch.states[:len(num_scheduled)]):
+        for req_id in list(self._scoring_prompts):
+            row = batch.req_id_to_index.get(req_id)
+            if row is None or row >= len(num_scheduled):
+                continue  # not scheduled this step
+            state = batch.states[row]
+            assert state is not None
             k = state.sampling_params.prompt_logprobs
-            if k is None:
-                continue
+            assert k is not None
             start = int(batch.num_computed_tokens[row])
             num_prompt = len(state.prompt_token_ids)
-            count = min(start + int(num_scheduled[row]), num_prompt - 1) - start
+            end = start + int(num_scheduled[row])
+            if end >= num_prompt - 1:
+                self._scoring_prompts.discard(req_id)  # this chunk scores the last of them
+            count = min(end, num_prompt - 1) - start
             if count <= 0:
                 continue
             first = int(prepared.query_start_loc[row])
@@ -260,6 +270,7 @@ class ModelRunner:
         gone = so.finished_req_ids | so.preempted_req_ids
         for req_id in so.preempted_req_ids:
             self.requests.pop(req_id, None)
+            self._scoring_prompts.discard(req_id)
         # Rows not scheduled this step leave the batch (their state is kept).
         unscheduled = set(batch.active_req_ids).difference(so.num_scheduled_tokens)
         batch.remove_requests(gone | unscheduled)
@@ -274,6 +285,8 @@ class ModelRunner:
                 prompt_embeds=new.prompt_embeds,
             )
             self.requests[new.req_id] = state
+            if new.sampling_params.prompt_logprobs is not None:
+                self._scoring_prompts.add(new.req_id)
             batch.add_request(state)
         cached = so.scheduled_cached_reqs
         rows = list(map(batch.req_id_to_index.get, cached.req_ids))
@@ -300,6 +313,7 @@ class ModelRunner:
         """Drops everything kept for finished requests (rows are removed by the caller)."""
         for req_id in req_ids:
             self.requests.pop(req_id, None)
+            self._scoring_prompts.discard(req_id)
 
     def release_prompt_embeds(self, req_ids: set[str]) -> None:
         """Drops the embeddings held for finished requests before their rows go (the next
