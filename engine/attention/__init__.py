@@ -6,10 +6,15 @@ import logging
 import os
 
 import torch
-from kvferry.engine.attention.backend import AttentionBackend, AttentionMetadata, KVCacheView
+from kvferry.engine.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionType,
+    KVCacheView,
+)
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "KVCacheView", "get_attention_backend",
-           "resolve_attention_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "AttentionType", "KVCacheView",
+           "get_attention_backend", "resolve_attention_backend"]
 
 logger = logging.getLogger(__name__)
 

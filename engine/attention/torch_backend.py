@@ -4,6 +4,9 @@ A step's batch mixes decodes (one query token) and prefills (many, possibly on t
 cached prefix). Decodes run together, grouped by length, as padded batched attention over
 keys gathered through the block table; each prefill runs as one causal
 `scaled_dot_product_attention` call whose diagonal is shifted by its cached prefix.
+Encoder self-attention runs one non-causal call per request over the step's own keys;
+cross-attention reads the cross blocks like a prefix (decoder queries of one token take
+the decode path, longer ones one non-causal call each).
 """
 
 from __future__ import annotations
@@ -11,7 +14,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from kvferry.engine.attention.backend import AttentionBackend, AttentionMetadata, KVCacheView
+from kvferry.engine.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionType,
+    KVCacheView,
+)
 from kvferry.engine.attention.cpu_kernels import paged_decode_kernel
 from torch.nn.attention.bias import causal_lower_right
 
@@ -127,17 +135,29 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(
         self,
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: KVCacheView,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: KVCacheView | None,
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
-        write_kv_to_cache(key[:num_tokens], value[:num_tokens], kv_cache, metadata.slot_mapping)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if metadata.attn_type is AttentionType.ENCODER:
+            assert key is not None and value is not None
+            for row in range(metadata.num_reqs):
+                self._attend_own_keys(query, key, value, metadata, row, scale, output)
+            return output
+        assert kv_cache is not None
+        if metadata.attn_type is AttentionType.DECODER:
+            assert key is not None and value is not None
+            write_kv_to_cache(key[:num_tokens], value[:num_tokens], kv_cache,
+                              metadata.slot_mapping)
         query_lens = metadata.query_lens_np
-        is_decode = query_lens == 1 if metadata.causal else np.zeros_like(query_lens, dtype=bool)
+        # One query token over all of its request's keys: a decode, or a cross-attention
+        # query (non-causal, but a single query sees every key either way).
+        single = metadata.is_causal or metadata.attn_type is AttentionType.CROSS
+        is_decode = query_lens == 1 if single else np.zeros_like(query_lens, dtype=bool)
         decode_rows = np.flatnonzero(is_decode)
         if decode_rows.size and self._native_decode(query, kv_cache):
             self._decode_native(query, kv_cache, metadata, decode_rows, scale, output)
@@ -147,6 +167,34 @@ class TorchAttentionBackend(AttentionBackend):
         for row in np.flatnonzero(~is_decode).tolist():
             self._prefill(query, key, value, kv_cache, metadata, row, scale, output)
         return output
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCacheView,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        write_kv_to_cache(key, value, kv_cache, slot_mapping)
+
+    @staticmethod
+    def _attend_own_keys(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        metadata: AttentionMetadata,
+        row: int,
+        scale: float,
+        output: torch.Tensor,
+    ) -> None:
+        """Encoder self-attention of one request: every query sees every key of its request."""
+        start, end = metadata.query_start_loc_np[row], metadata.query_start_loc_np[row + 1]
+        q = query[start:end].transpose(0, 1)  # (num_heads, n, head_size)
+        group = q.shape[0] // key.shape[1]
+        k = key[start:end].transpose(0, 1).to(q.dtype).repeat_interleave(group, dim=0)
+        v = value[start:end].transpose(0, 1).to(q.dtype).repeat_interleave(group, dim=0)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale)
+        output[start:end] = out[0].transpose(0, 1)
 
     def _native_decode(self, query: torch.Tensor, kv_cache: KVCacheView) -> bool:
         return (
@@ -221,8 +269,8 @@ class TorchAttentionBackend(AttentionBackend):
     def _prefill(
         self,
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
         kv_cache: KVCacheView,
         metadata: AttentionMetadata,
         row: int,
@@ -233,7 +281,7 @@ class TorchAttentionBackend(AttentionBackend):
         start, end = metadata.query_start_loc_np[row], metadata.query_start_loc_np[row + 1]
         seq_len = int(metadata.seq_lens_np[row])
         query_len = int(end - start)
-        if seq_len == query_len:
+        if seq_len == query_len and key is not None and value is not None:
             # Nothing cached before this chunk: its own keys are the whole sequence.
             keys, values = key[start:end], value[start:end]  # (seq_len, H_kv, D)
         else:
@@ -246,7 +294,7 @@ class TorchAttentionBackend(AttentionBackend):
         # Repeating kv heads beats SDPA's own GQA path on CPU and keeps the fused kernel.
         k = keys.transpose(0, 1).to(q.dtype).repeat_interleave(group, dim=0)
         v = values.transpose(0, 1).to(q.dtype).repeat_interleave(group, dim=0)
-        if not metadata.causal:
+        if not metadata.is_causal:
             out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale)
         elif seq_len == query_len:
             out = F.scaled_dot_product_attention(

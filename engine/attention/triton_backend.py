@@ -10,7 +10,12 @@ the kernels are first imported).
 from __future__ import annotations
 
 import torch
-from kvferry.engine.attention.backend import AttentionBackend, AttentionMetadata, KVCacheView
+from kvferry.engine.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionType,
+    KVCacheView,
+)
 from kvferry.engine.attention.triton.reshape_and_cache import reshape_and_cache
 from kvferry.engine.attention.triton.unified_attention import unified_attention
 
@@ -27,9 +32,9 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(
         self,
         query: torch.Tensor,  # (num_tokens, num_heads, head_size)
-        key: torch.Tensor,  # (num_tokens, num_kv_heads, head_size)
-        value: torch.Tensor,  # (num_tokens, num_kv_heads, head_size)
-        kv_cache: KVCacheView,
+        key: torch.Tensor | None,  # (num_tokens, num_kv_heads, head_size)
+        value: torch.Tensor | None,  # (num_tokens, num_kv_heads, head_size)
+        kv_cache: KVCacheView | None,
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_size)
@@ -38,15 +43,20 @@ class TritonAttentionBackend(AttentionBackend):
         Rows past `metadata.num_actual_tokens` (padding) are neither written to the cache
         nor computed; their output rows are left unset.
         """
+        if metadata.attn_type is AttentionType.ENCODER:
+            raise NotImplementedError("encoder self-attention in the Triton backend")
+        assert kv_cache is not None
         key_cache, value_cache = kv_cache
         num_tokens = metadata.num_actual_tokens
-        reshape_and_cache(
-            key[:num_tokens],
-            value[:num_tokens],
-            key_cache,
-            value_cache,
-            metadata.slot_mapping[:num_tokens],
-        )
+        if metadata.attn_type is AttentionType.DECODER:
+            assert key is not None and value is not None
+            reshape_and_cache(
+                key[:num_tokens],
+                value[:num_tokens],
+                key_cache,
+                value_cache,
+                metadata.slot_mapping[:num_tokens],
+            )
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         unified_attention(
             query[:num_tokens],
@@ -56,10 +66,19 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.seq_lens,
             metadata.block_table,
             scale,
-            causal=metadata.causal,
+            causal=metadata.is_causal,
             max_query_len=metadata.max_query_len,
             max_seq_len=metadata.max_seq_len,
             num_kv_splits=self._num_kv_splits,
             out=output[:num_tokens],
         )
         return output
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCacheView,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        reshape_and_cache(key, value, kv_cache[0], kv_cache[1], slot_mapping)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvferry.engine.attention.backend import AttentionMetadata
+from kvferry.engine.attention.backend import AttentionMetadata, AttentionType
 from kvferry.engine.attention.torch_backend import TorchAttentionBackend, _length_buckets
 
 NUM_LAYERS, BLOCK_SIZE, NUM_BLOCKS = 2, 4, 512
@@ -140,3 +140,72 @@ def test_a_padding_slot_writes_no_block_but_the_null_block() -> None:
     touched[2, 1, :, 1] = True
     touched[0] = True  # the padding row may land in the null block only
     assert torch.equal(cache[~touched], before[~touched])
+
+
+def _cross_case(query_lens: list[int], encoder_lens: list[int], native: bool) -> None:
+    """Cross-attention: queries of any length over a request's cached encoder keys, which
+    the backend must neither causally mask nor overwrite."""
+    gen = torch.Generator().manual_seed(3)
+    num_heads, num_kv_heads, head_size = 4, 2, 8
+    cache = torch.zeros(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, num_kv_heads, head_size)
+    kv_cache = (cache[:, 0, 0], cache[:, 0, 1])
+    max_blocks = max(-(-n // BLOCK_SIZE) for n in encoder_lens)
+    block_table = torch.zeros(len(encoder_lens), max_blocks, dtype=torch.int32)
+    keys, values, next_block = [], [], 1
+    backend = TorchAttentionBackend(use_native_kernels=native)
+    for row, n in enumerate(encoder_lens):
+        blocks = list(range(next_block, next_block + -(-n // BLOCK_SIZE)))
+        next_block += len(blocks)
+        block_table[row, : len(blocks)] = torch.tensor(blocks)
+        k = torch.randn(n, num_kv_heads, head_size, generator=gen)
+        v = torch.randn(n, num_kv_heads, head_size, generator=gen)
+        slots = torch.tensor([blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                              for p in range(n)])
+        backend.write_kv(k, v, kv_cache, slots)
+        keys.append(k)
+        values.append(v)
+    before = cache.clone()
+    query = torch.randn(sum(query_lens), num_heads, head_size, generator=gen)
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    enc = np.array(encoder_lens, dtype=np.int32)
+    metadata = AttentionMetadata(
+        num_reqs=len(enc), num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens),
+        max_seq_len=int(enc.max()), query_start_loc=torch.from_numpy(qsl),
+        seq_lens=torch.from_numpy(enc), block_table=block_table,
+        slot_mapping=torch.empty(0, dtype=torch.int64), query_start_loc_np=qsl,
+        seq_lens_np=enc, attn_type=AttentionType.CROSS,
+    )
+    output = backend.forward(query, None, None, kv_cache, metadata, head_size**-0.5)
+    for row, (start, end) in enumerate(zip(qsl[:-1], qsl[1:])):
+        expected = _reference(query[start:end], keys[row], values[row], head_size**-0.5, False)
+        torch.testing.assert_close(output[start:end], expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache, before)
+
+
+@NATIVE
+def test_cross_attention_reads_encoder_keys_without_writing(native: bool) -> None:
+    # Single-token decoder queries beside prompts shorter and longer than the encoder.
+    _cross_case([1, 5, 1, 12, 9], [7, 9, 30, 4, 9], native)
+
+
+def test_encoder_attention_is_non_causal_over_its_own_keys_only() -> None:
+    gen = torch.Generator().manual_seed(4)
+    lens = [5, 1, 11]
+    num_heads, num_kv_heads, head_size = 4, 4, 8
+    total = sum(lens)
+    q = torch.randn(total, num_heads, head_size, generator=gen)
+    k = torch.randn(total, num_kv_heads, head_size, generator=gen)
+    v = torch.randn(total, num_kv_heads, head_size, generator=gen)
+    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    seq = np.array(lens, dtype=np.int32)
+    metadata = AttentionMetadata(
+        num_reqs=3, num_actual_tokens=total, max_query_len=11, max_seq_len=11,
+        query_start_loc=torch.from_numpy(qsl), seq_lens=torch.from_numpy(seq),
+        block_table=torch.empty(3, 0, dtype=torch.int32),
+        slot_mapping=torch.empty(0, dtype=torch.int64), query_start_loc_np=qsl,
+        seq_lens_np=seq, attn_type=AttentionType.ENCODER,
+    )
+    output = TorchAttentionBackend().forward(q, k, v, None, metadata, head_size**-0.5)
+    for start, end in zip(qsl[:-1], qsl[1:]):
+        expected = _reference(q[start:end], k[start:end], v[start:end], head_size**-0.5, False)
+        torch.testing.assert_close(output[start:end], expected, atol=1e-5, rtol=1e-5)
