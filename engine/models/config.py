@@ -79,6 +79,19 @@ class ModelArchConfig:
     torch_dtype: str | None
     hidden_act: str = "silu"
     mlp_bias: bool = False
+    # Encoder-decoder models (BART, Whisper). Everything above describes the decoder (its
+    # layers own the KV cache: self-attention blocks and cross-attention blocks share one
+    # layout); these fields describe the encoder side.
+    is_encoder_decoder: bool = False
+    # What the encoder reads: "tokens" (BART) or "audio" (Whisper's log-mel features).
+    encoder_input: str = "tokens"
+    num_encoder_layers: int = 0
+    # The longest encoder input in positions (Whisper: exactly this many, always).
+    max_encoder_positions: int = 0
+    # The token a decoder prompt starts with (prepended when a prompt lacks it).
+    decoder_start_token_id: int | None = None
+    # Whisper: mel bins of the features (frames = 2 * max_encoder_positions).
+    num_mel_bins: int = 0
     # config.json as read, with generation_config.json under "generation_config"; for
     # fields not modeled here.
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
