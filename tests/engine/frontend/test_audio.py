@@ -13,9 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile
-from transformers import WhisperFeatureExtractor
-
 from kvferry.engine.frontend.audio import WhisperAudio, decode_audio, resample
+from transformers import WhisperFeatureExtractor
 
 
 def tone(freq: float, rate: int, seconds: float, amplitude: float = 0.5) -> np.ndarray:
