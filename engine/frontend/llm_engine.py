@@ -101,7 +101,7 @@ class LLMEngine:
         self.output_processor.add_request(make_parent_state(
             self.tokenizer, request_id, processed.prompt, processed.prompt_token_ids,
             {r.req_id: r.sampling_params for r in core_requests}, arrival, output_kind,
-            processed.num_tokens,
+            processed.num_tokens, processed.encoder,
         ))
         for request in core_requests:
             self.engine_core.add_request(request)
