@@ -99,6 +99,27 @@ class LLM:
             request_ids.append(request_id)
         return self._run_engine(request_ids, use_tqdm)
 
+    def encode(
+        self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = False
+    ) -> list[RequestOutput]:
+        """Runs only the encoder of each prompt of an encoder-decoder model and leaves its
+        cross-attention KV in the prefix cache, so a later request with the same encoder
+        input starts decoding without running the encoder. Each output has no completion
+        tokens (finish_reason "stop"). Needs prefix caching (the KV would be freed unused
+        otherwise)."""
+        engine = self.llm_engine
+        if not engine.config.cache.enable_prefix_caching:
+            raise ValueError("encode leaves the encoder's KV in the prefix cache: enable "
+                             "prefix caching")
+        processed = [engine.process_prompt(p) for p in _as_prompt_list(prompts)]
+        request_ids = []
+        for prompt in processed:
+            request_id = engine.next_request_id()
+            engine.add_request(request_id, prompt, SamplingParams(max_tokens=1),
+                               output_kind=RequestOutputKind.FINAL_ONLY, encode_only=True)
+            request_ids.append(request_id)
+        return self._run_engine(request_ids, use_tqdm)
+
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
