@@ -70,7 +70,8 @@ class EngineCore:
         gpu_budget = (
             None if cache_cfg.num_gpu_blocks_override is not None
             else self.runner.measure_kv_cache_budget(
-                cache_cfg.gpu_memory_utilization, sched_cfg.max_num_seqs)
+                cache_cfg.gpu_memory_utilization, sched_cfg.max_num_seqs,
+                sched_cfg.max_num_encoder_tokens or 0)
         )
         num_blocks = determine_num_blocks(self.arch, cache_cfg, self.dtype, gpu_budget)
         check_kv_cache_fits(num_blocks, cache_cfg, self.max_model_len, self.device,

@@ -27,7 +27,7 @@ from kvferry.engine.models.encoder_decoder import EncoderBatch
 from kvferry.engine.models.loader import load_model
 from kvferry.engine.runner.cpu_malloc import keep_activation_memory
 from kvferry.engine.runner.input_batch import CachedRequestState, InputBatch
-from kvferry.engine.runner.memory_profile import measure_gpu_kv_cache_budget
+from kvferry.engine.runner.memory_profile import EncoderProfile, measure_gpu_kv_cache_budget
 from kvferry.engine.runner.prepare_inputs import InputBuffers, PreparedInputs, prepare_inputs
 from kvferry.engine.runner.step_staging import StepStaging, StepTensors
 from kvferry.engine.sample.metadata import SamplingMetadata
@@ -124,7 +124,8 @@ class ModelRunner:
         arch = self.arch
         return (num_blocks, arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_size)
 
-    def measure_kv_cache_budget(self, utilization: float, max_num_seqs: int) -> int | None:
+    def measure_kv_cache_budget(self, utilization: float, max_num_seqs: int,
+                                max_num_encoder_tokens: int = 0) -> int | None:
         """On a GPU, the KV cache budget in bytes after a profiling step of the largest
         size (memory_profile.py); None on CPU, where the budget is configured."""
         if self.device.type != "cuda":
@@ -132,8 +133,17 @@ class ModelRunner:
         return measure_gpu_kv_cache_budget(
             self.model, self.arch.vocab_size, self.max_num_batched_tokens, max_num_seqs,
             self.max_model_len, self.block_size, self.kv_cache_shape(1), self.dtype,
-            self.device, utilization,
+            self.device, utilization, self.encoder_profile(max_num_encoder_tokens),
         )
+
+    def encoder_profile(self, max_num_encoder_tokens: int) -> EncoderProfile | None:
+        """The largest encoder pass a step can run (None for a decoder-only model)."""
+        arch = self.arch
+        if not arch.is_encoder_decoder:
+            return None
+        return EncoderProfile(max(max_num_encoder_tokens, arch.max_encoder_positions),
+                              arch.max_encoder_positions, arch.encoder_input,
+                              arch.num_mel_bins)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache, self.kv_caches = self._allocate_kv_cache(num_blocks, self.dtype)
