@@ -41,6 +41,7 @@ class LLM:
         device: str = "auto",
         served_model_name: str | None = None,
         enable_prompt_embeds: bool = False,
+        max_num_encoder_tokens: int | None = None,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -57,6 +58,7 @@ class LLM:
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy,  # type: ignore[arg-type]
+                max_num_encoder_tokens=max_num_encoder_tokens,
             ),
             attention_backend=attention_backend,
             device=device,
