@@ -205,7 +205,7 @@ async def _load_transcriber(engine: AsyncLLM) -> Transcriber | None:
     off the event loop (it imports transformers). ValueError names what the checkpoint lacks."""
     from kvferry.engine.server.transcriptions import Transcriber, takes_audio
 
-    if not takes_audio(engine.info.architecture):
+    if not takes_audio(engine.input_processor.limits):
         return None
     return await asyncio.to_thread(Transcriber.load, engine.info.model_dir, engine.tokenizer)
 

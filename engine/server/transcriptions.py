@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from fastapi import Request, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from kvferry.engine.core.messages import EngineLimits
 from kvferry.engine.frontend.audio import WhisperAudio, decode_audio
 from kvferry.engine.frontend.outputs import RequestOutput
 from kvferry.engine.frontend.tokenizer import Tokenizer
@@ -45,15 +46,13 @@ AUDIO_PATH = "/v1/audio/transcriptions"
 RESPONSE_FORMATS = ("json", "text", "verbose_json")
 # OpenAI's range for a transcription's temperature.
 MAX_TEMPERATURE = 1.0
-# Architectures whose encoder reads audio (config.json's `architectures`).
-AUDIO_ARCHITECTURES = frozenset({"WhisperForConditionalGeneration"})
 # Whisper never emits these; a bias this low keeps them from being sampled.
 SUPPRESS_BIAS = -100.0
 
 
-def takes_audio(architecture: str) -> bool:
-    """Whether a model of this architecture transcribes audio."""
-    return architecture in AUDIO_ARCHITECTURES
+def takes_audio(limits: EngineLimits) -> bool:
+    """Whether the engine's model has an encoder that reads audio (Whisper)."""
+    return limits.is_encoder_decoder and limits.encoder_input == "audio"
 
 
 @dataclass(frozen=True)
