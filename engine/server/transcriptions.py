@@ -177,7 +177,7 @@ async def create_transcription(state: ServerState, form: TranscriptionForm, uplo
                                request: Request) -> Response:
     job = await prepare(state, form, upload, request)
     choice = await collect(job, request)
-    return render(job, choice)
+    return render(job.response_format, job.inputs, choice)
 
 
 async def prepare(state: ServerState, form: TranscriptionForm, upload: UploadFile,
@@ -247,25 +247,25 @@ async def collect(job: TranscriptionJob, request: Request) -> ChoiceState:
     return choice
 
 
-def render(job: TranscriptionJob, choice: ChoiceState) -> Response:
+def render(response_format: str, inputs: TranscriptionInputs, choice: ChoiceState) -> Response:
     """The answer in the requested format. The text loses the space Whisper's first token
     starts with, as OpenAI's does."""
     text = choice.text.strip()
-    if job.response_format == "text":
+    if response_format == "text":
         return PlainTextResponse(text)
-    if job.response_format == "json":
+    if response_format == "json":
         return JSONResponse({"text": text})
-    duration = round(job.inputs.duration_s, 3)
+    duration = round(inputs.duration_s, 3)
     return JSONResponse({
         "task": TRANSCRIBE,
-        "language": whisper_languages().get(job.inputs.language or "en", "english"),
+        "language": whisper_languages().get(inputs.language or "en", "english"),
         "duration": duration,
         "text": text,
-        "segments": [_segment(job, choice, text, duration)],
+        "segments": [_segment(inputs, choice, text, duration)],
     })
 
 
-def _segment(job: TranscriptionJob, choice: ChoiceState, text: str,
+def _segment(inputs: TranscriptionInputs, choice: ChoiceState, text: str,
              duration: float) -> dict[str, Any]:
     """The whole transcript as one segment, as the model wrote it without timestamps.
     (no_speech_prob is left out: the probability of <|nospeech|> is not computed.)"""
@@ -278,7 +278,7 @@ def _segment(job: TranscriptionJob, choice: ChoiceState, text: str,
         "end": duration,
         "text": text,
         "tokens": choice.token_ids,
-        "temperature": job.inputs.params.temperature,
+        "temperature": inputs.params.temperature,
         "avg_logprob": sum(logprobs) / len(logprobs) if logprobs else 0.0,
         # How repetitive the text is (openai-whisper's sign of a hallucination).
         "compression_ratio": len(encoded) / len(zlib.compress(encoded)) if encoded else 0.0,

@@ -6,17 +6,22 @@ prompt and sampling params."""
 from __future__ import annotations
 
 import io
+import json
 import wave
+import zlib
 
 import numpy as np
 import pytest
 import soundfile
+from kvferry.engine.frontend.outputs import CompletionOutput, Logprob
 from kvferry.engine.frontend.tokenizer import Tokenizer
 from kvferry.engine.server.errors import ApiError
+from kvferry.engine.server.serving import ChoiceState
 from kvferry.engine.server.transcriptions import (
     SUPPRESS_BIAS,
     Transcriber,
     TranscriptionForm,
+    render,
     whisper_prompt,
 )
 from kvferry_testing.whisper_files import (
@@ -151,3 +156,33 @@ def test_a_prompt_that_leaves_no_room_for_a_transcript_is_refused(
     assert caught.value.param == "prompt"
     assert caught.value.message == ("the prompt leaves no room for a transcript: the decoder "
                                     "prompt has 8 tokens, the model's context 7")
+
+
+def transcript(*deltas: tuple[str, list[int], list[float]]) -> ChoiceState:
+    """A choice as the engine's DELTA outputs build it: (text, token ids, their logprobs)."""
+    choice = ChoiceState()
+    for text, ids, logprobs in deltas:
+        choice.add(CompletionOutput(
+            index=0, text=text, token_ids=ids, cumulative_logprob=None,
+            logprobs=[{t: Logprob(lp, 1)} for t, lp in zip(ids, logprobs)]))
+    return choice
+
+
+def test_the_transcript_is_rendered_in_each_response_format(
+        front_end: tuple[Transcriber, Tokenizer]) -> None:
+    transcriber, tokenizer = front_end
+    form = TranscriptionForm(model="whisper", language="de", temperature=0.25,
+                             response_format="verbose_json")
+    inputs = transcriber.read_inputs(form, wav(1.2345), tokenizer, 16)
+    hello, world = VOCAB["hello"], VOCAB["world"]
+    choice = transcript((" hello", [hello], [-0.5]), (" world", [world], [-1.5]))
+    assert json.loads(render("json", inputs, choice).body) == {"text": "hello world"}
+    text = render("text", inputs, choice)
+    assert (text.body, text.media_type) == (b"hello world", "text/plain")
+    verbose = json.loads(render("verbose_json", inputs, choice).body)
+    ratio = len(b"hello world") / len(zlib.compress(b"hello world"))
+    assert verbose == {
+        "task": "transcribe", "language": "german", "duration": 1.234, "text": "hello world",
+        "segments": [{"id": 0, "seek": 0, "start": 0.0, "end": 1.234, "text": "hello world",
+                      "tokens": [hello, world], "temperature": 0.25, "avg_logprob": -1.0,
+                      "compression_ratio": ratio}]}
