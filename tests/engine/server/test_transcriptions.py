@@ -108,6 +108,7 @@ def test_a_field_of_the_wrong_type_is_a_400_naming_it(server: ServerProcess) -> 
     response = post_form(server, {"model": "tiny", "temperature": "warm"},
                          {"file": ("a.wav", wav(0.1))})
     assert_error(response, 400, "temperature", "temperature: Input should be a valid number")
+    assert_still_serving(server)
 
 
 @pytest.mark.parametrize(("content_type", "body"), [
@@ -139,6 +140,7 @@ def test_the_audio_limit_replaces_the_general_one_for_a_transcription(
     assert BODY_LIMIT < len(bigger_than_json) < AUDIO_LIMIT
     assert_error(post_form(server, {"model": "tiny"}, {"file": ("a.wav", bigger_than_json)}),
                  400, "model", "this model does not take audio")
+    assert_still_serving(server)
 
 
 def test_an_upload_over_the_audio_limit_is_a_413_through_the_client(
