@@ -13,7 +13,8 @@ Forms a request may take:
 
 Default decoder prompts: BART-like models start with the decoder start token then BOS
 (`[2, 0]` with BART's usual ids); Whisper with start of transcript, the language, the task
-(transcribe) and no timestamps, read from its generation config.
+(transcribe) and no timestamps, read from its generation config (whisper_prompt.py). A
+Whisper decoder prompt that begins with a previous text (<|startofprev|>) is kept whole.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from kvferry.engine.core.messages import EncoderInput
+from kvferry.engine.frontend.whisper_prompt import WhisperTokens
 from kvferry.engine.models.config import ModelArchConfig
 
 if TYPE_CHECKING:
@@ -60,6 +62,9 @@ class EncoderDecoderPrompts:
         self.is_audio = self.arch.encoder_input == "audio"
         self._audio: Any = None  # the feature extractor, loaded with the first audio
         self.decoder_start_token_id = self._decoder_start_token_id()
+        # Whisper's special tokens (start of transcript, languages, tasks, previous text).
+        self.whisper = (WhisperTokens.from_checkpoint(model_dir, tokenizer) if self.is_audio
+                        else None)
 
     # ------------------------------------------------------------------ defaults
     def _decoder_start_token_id(self) -> int:
@@ -71,42 +76,16 @@ class EncoderDecoderPrompts:
             raise ValueError(f"{self.model_dir}: the config names no decoder_start_token_id")
         return int(start)
 
-    def default_decoder_prompt(self, language: str | None = None,
-                               task: str = "transcribe") -> list[int]:
+    def default_decoder_prompt(self, language: str | None = None) -> list[int]:
         """The decoder prompt of a request that gives none (see the module docstring).
 
         Whisper: `language` is a code such as "en" (the generation config's default, else
-        English, when None); ValueError for a language or task the model does not know."""
+        English, when None); ValueError for a language the model does not know."""
         start = self.decoder_start_token_id
-        if not self.is_audio:
+        if self.whisper is None:
             bos = self.arch.bos_token_id
             return [start] if bos is None else [start, bos]
-        generation = self.arch.raw.get("generation_config", {})
-        ids = [start]
-        if generation.get("is_multilingual", True) and generation.get("lang_to_id"):
-            ids.append(self.language_token(language))
-            task_to_id = generation.get("task_to_id") or {}
-            if task not in task_to_id:
-                raise ValueError(f"unknown task {task!r}; this model knows: "
-                                 f"{', '.join(sorted(task_to_id)) or 'none'}")
-            ids.append(int(task_to_id[task]))
-        no_timestamps = generation.get("no_timestamps_token_id")
-        if no_timestamps is not None:
-            ids.append(int(no_timestamps))
-        return ids
-
-    def language_token(self, language: str | None) -> int:
-        """The token id of a Whisper language code ("en", or "<|en|>"); ValueError when the
-        model does not know it."""
-        generation = self.arch.raw.get("generation_config", {})
-        lang_to_id: dict[str, int] = generation.get("lang_to_id") or {}
-        if language is None:
-            language = generation.get("language") or "en"
-        token = language if language.startswith("<|") else f"<|{language.lower()}|>"
-        if token not in lang_to_id:
-            known = ", ".join(sorted(t.strip("<|>") for t in lang_to_id))
-            raise ValueError(f"unknown language {language!r}; this model knows: {known}")
-        return int(lang_to_id[token])
+        return self.whisper.decoder_prompt(self.whisper.language_code(language))
 
     # ------------------------------------------------------------------ prompts
     def process(self, prompt: Any) -> EncoderDecoderPrompt:
@@ -137,8 +116,13 @@ class EncoderDecoderPrompts:
                                     self.default_decoder_prompt())
 
     def _with_start_token(self, ids: list[int]) -> list[int]:
+        """A decoder prompt with the decoder start token first; Whisper's prompts that begin
+        with a previous text (<|startofprev|> ... <|startoftranscript|> ...) are whole."""
         start = self.decoder_start_token_id
-        return ids if ids and ids[0] == start else [start, *ids]
+        previous = None if self.whisper is None else self.whisper.start_of_previous
+        if ids and (ids[0] == start or (previous is not None and ids[0] == previous)):
+            return ids
+        return [start, *ids]
 
     def _encoder_input(self, prompt: Any) -> EncoderInput:
         if isinstance(prompt, Mapping) and "multi_modal_data" in prompt:

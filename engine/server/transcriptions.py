@@ -23,6 +23,7 @@ from fastapi import Request, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from kvferry.engine.core.messages import EngineLimits
 from kvferry.engine.frontend.audio import WhisperAudio, decode_audio
+from kvferry.engine.frontend.input_processor import ProcessedPrompt
 from kvferry.engine.frontend.outputs import RequestOutput
 from kvferry.engine.frontend.tokenizer import Tokenizer
 from kvferry.engine.frontend.whisper_prompt import TRANSCRIBE, WhisperTokens, whisper_languages
@@ -79,6 +80,8 @@ class TranscriptionInputs:
     duration_s: float
     decoder_prompt: list[int]
     params: SamplingParams
+    # The engine's prompt, features computed (set off the event loop before generating).
+    processed: ProcessedPrompt | None = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,12 @@ async def prepare(state: ServerState, form: TranscriptionForm, upload: UploadFil
     data = await upload.read()
     inputs = await asyncio.to_thread(transcriber.read_inputs, form, data, engine.tokenizer,
                                      engine.input_processor.limits.max_model_len)
+    # The log-mel features too are computed on the worker thread, not in generate().
+    try:
+        inputs.processed = await asyncio.to_thread(engine.input_processor.process_prompt,
+                                                   whisper_prompt(inputs))
+    except ValueError as exc:
+        raise bad_request(str(exc), param="file") from None
     record.num_prompt_tokens = len(inputs.decoder_prompt)
     return TranscriptionJob(engine, request.state.request_id, form.response_format, inputs,
                             record)
@@ -212,8 +221,8 @@ def whisper_prompt(inputs: TranscriptionInputs) -> dict[str, Any]:
 
 async def transcribe(job: TranscriptionJob) -> AsyncIterator[RequestOutput]:
     """The engine's outputs of one transcription; leaving early aborts it."""
-    generator = job.engine.generate(job.request_id, whisper_prompt(job.inputs),
-                                    job.inputs.params)
+    prompt = job.inputs.processed or whisper_prompt(job.inputs)
+    generator = job.engine.generate(job.request_id, prompt, job.inputs.params)
     try:
         async for output in generator:
             check_output_error(output)
