@@ -240,3 +240,16 @@ def test_rejects_a_missing_cache_or_missing_keys(device, paged_batch) -> None:
     encoder = dataclasses.replace(batch.metadata, attn_type=AttentionType.ENCODER)
     with pytest.raises(ValueError, match="encoder attention needs the step's keys and values"):
         backend.forward(batch.query, None, None, None, encoder, 0.25)
+
+
+def test_encoder_metadata_without_blocks_or_slots(device, paged_batch, assert_close, references):
+    # The runner's encoder pass has no block table columns and no slots at all.
+    batch = paged_batch([9, 40], [9, 40], 6, 3, 16, torch.float32, device,
+                        attn_type=AttentionType.ENCODER, prewrite=False, seed=51)
+    m = batch.metadata
+    batch.metadata = dataclasses.replace(
+        m, block_table=m.block_table[:, :0], slot_mapping=m.slot_mapping[:0]
+    )
+    output = _forward(TritonAttentionBackend(), batch, 0.25, with_cache=False)
+    naive, _ = references
+    assert_close(output, naive(batch, 0.25), torch.float32, "against the float64 reference")
