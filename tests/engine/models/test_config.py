@@ -96,11 +96,22 @@ def test_missing_config_file(tmp_path):
 
 
 def test_registry():
-    assert SUPPORTED_ARCHITECTURES == ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    assert SUPPORTED_ARCHITECTURES == (
+        "LlamaForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "BartForConditionalGeneration",
+        "WhisperForConditionalGeneration",
+    )
     assert get_model_class("Qwen3ForCausalLM").__name__ == "Qwen3ForCausalLM"
+    assert get_model_class("BartForConditionalGeneration").__module__ == "kvferry.engine.models.bart"
+    assert get_model_class("WhisperForConditionalGeneration").__module__ == (
+        "kvferry.engine.models.whisper"
+    )
     with pytest.raises(ValueError) as err:
         get_model_class("GPT2LMHeadModel")
     assert str(err.value) == (
         "unsupported architecture 'GPT2LMHeadModel'; "
-        "supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+        "supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+        "BartForConditionalGeneration, WhisperForConditionalGeneration"
     )
