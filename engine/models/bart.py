@@ -126,15 +126,11 @@ class BartForConditionalGeneration(EncoderDecoderBase):
         self, config: ModelArchConfig, attn_backend: AttentionBackend, dtype: torch.dtype
     ) -> None:
         super().__init__()
-        if not config.is_encoder_decoder or config.encoder_input != "tokens":
-            raise ValueError(
-                f"{config.architecture}: BART needs an encoder-decoder config with a token "
-                f"encoder, got is_encoder_decoder={config.is_encoder_decoder}, "
-                f"encoder_input={config.encoder_input!r}"
-            )
+        self.check_config(config, "tokens")
         self.config = config
         # The reference multiplies token embeddings (never positions) by this.
-        self.embed_scale = math.sqrt(config.hidden_size) if config.raw.get("scale_embedding") else 1.0
+        scaled = bool(config.raw.get("scale_embedding"))
+        self.embed_scale = math.sqrt(config.hidden_size) if scaled else 1.0
         self.model = BartModel(config, attn_backend, dtype=dtype)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, [config.vocab_size], bias=False, dtype=dtype)
@@ -157,7 +153,9 @@ class BartForConditionalGeneration(EncoderDecoderBase):
         """The encoder's final hidden states (num_positions, hidden_size) of
         `batch.input_ids` at `batch.positions` (each request's from 0)."""
         if batch.input_ids is None or batch.positions is None:
-            raise ValueError("BART's encoder reads token ids: the batch needs input_ids and positions")
+            raise ValueError(
+                "BART's encoder reads token ids: the batch needs input_ids and positions"
+            )
         if batch.input_ids.shape != batch.positions.shape or batch.input_ids.dim() != 1:
             raise ValueError(
                 f"encoder input_ids {tuple(batch.input_ids.shape)} and positions "

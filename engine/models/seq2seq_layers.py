@@ -24,6 +24,7 @@ from kvferry.engine.attention.backend import AttentionBackend, AttentionMetadata
 from kvferry.engine.layers.activation import gelu_activation
 from kvferry.engine.layers.layernorm import LayerNorm
 from kvferry.engine.layers.linear import Linear
+from kvferry.engine.models.config import ModelArchConfig
 from torch import nn
 
 # Which checkpoint projections each fused module holds, in row order (see the loader).
@@ -46,7 +47,8 @@ def _residual(
 
 
 class SelfAttention(nn.Module):
-    """Fused q/k/v projection, backend attention, output projection (all with bias).
+    """Fused q/k/v projection, backend attention, output projection, all with bias (Whisper
+    has none on keys: that block stays zero).
 
     Encoder layers run it with ENCODER metadata and no cache; decoder layers with the
     step's DECODER metadata, which writes the new keys and values into their cache.
@@ -246,6 +248,21 @@ class EncoderDecoderBase(nn.Module):
     packed_modules_mapping: ClassVar[dict[str, tuple[str, ...]]] = PACKED_MODULES_MAPPING
     is_encoder_decoder: bool = True
     model: nn.Module
+
+    @staticmethod
+    def check_config(config: ModelArchConfig, encoder_input: str) -> None:
+        """ValueError naming the architecture when `config` is not an encoder-decoder one
+        with this encoder input, or names an activation the layers lack."""
+        if not config.is_encoder_decoder or config.encoder_input != encoder_input:
+            raise ValueError(
+                f"{config.architecture} needs an encoder-decoder config whose encoder reads "
+                f"{encoder_input}, got is_encoder_decoder={config.is_encoder_decoder}, "
+                f"encoder_input={config.encoder_input!r}"
+            )
+        try:
+            gelu_activation(config.hidden_act)
+        except ValueError as exc:
+            raise ValueError(f"{config.architecture}: {exc}") from None
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

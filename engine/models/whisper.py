@@ -172,12 +172,7 @@ class WhisperForConditionalGeneration(EncoderDecoderBase):
         self, config: ModelArchConfig, attn_backend: AttentionBackend, dtype: torch.dtype
     ) -> None:
         super().__init__()
-        if not config.is_encoder_decoder or config.encoder_input != "audio":
-            raise ValueError(
-                f"{config.architecture}: Whisper needs an encoder-decoder config with an "
-                f"audio encoder, got is_encoder_decoder={config.is_encoder_decoder}, "
-                f"encoder_input={config.encoder_input!r}"
-            )
+        self.check_config(config, "audio")
         self.config = config
         self.model = WhisperModel(config, attn_backend, dtype=dtype)
         if not config.tie_word_embeddings:

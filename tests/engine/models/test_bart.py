@@ -22,16 +22,16 @@ ATOL = 1e-4
 NUM_DECODE_STEPS = 5
 
 CASES = {
-    "bart": dict(),
+    "bart": {},
     # Scaled token embeddings, separate encoder/decoder tables and lm_head, tanh GELU, and
     # an encoder whose head count differs from the decoder's.
-    "bart-scaled-untied": dict(
-        scale_embedding=True,
-        tie_word_embeddings=False,
-        activation_function="gelu_new",
-        encoder_attention_heads=2,
-        decoder_ffn_dim=160,
-    ),
+    "bart-scaled-untied": {
+        "scale_embedding": True,
+        "tie_word_embeddings": False,
+        "activation_function": "gelu_new",
+        "encoder_attention_heads": 2,
+        "decoder_ffn_dim": 160,
+    },
 }
 
 
@@ -151,8 +151,9 @@ def test_model_interface_and_input_errors(make_encdec_checkpoint, encdec_run):
         model.encode(EncoderBatch(metadata=None, input_features=torch.zeros(1, 1, 1)))
     with pytest.raises(ValueError, match="one slot per position"):
         model.write_cross_kv(torch.zeros(3, 64), run.kv_caches, torch.zeros(2, dtype=torch.int64))
+    slots = torch.zeros(3, dtype=torch.int64)
     with pytest.raises(ValueError, match="got 1 KV cache views for a decoder of 2 layers"):
-        model.write_cross_kv(torch.zeros(3, 64), run.kv_caches[:1], torch.zeros(3, dtype=torch.int64))
+        model.write_cross_kv(torch.zeros(3, 64), run.kv_caches[:1], slots)
     metadata, positions = run.step_metadata([1])
     metadata.cross = None
     with pytest.raises(ValueError, match=r"needs the step's cross-attention metadata"):

@@ -30,15 +30,15 @@ NUM_DECODE_STEPS = 5
 AUDIO_SECONDS = [0.7, 2.0, 2.6]
 
 CASES = {
-    "whisper": dict(),
+    "whisper": {},
     # Untied output projection, tanh GELU, an encoder shaped unlike the decoder.
-    "whisper-untied": dict(
-        tie_word_embeddings=False,
-        activation_function="gelu_pytorch_tanh",
-        encoder_attention_heads=8,
-        encoder_ffn_dim=80,
-        max_source_positions=50,
-    ),
+    "whisper-untied": {
+        "tie_word_embeddings": False,
+        "activation_function": "gelu_pytorch_tanh",
+        "encoder_attention_heads": 8,
+        "encoder_ffn_dim": 80,
+        "max_source_positions": 50,
+    },
 }
 
 
@@ -156,3 +156,20 @@ def test_model_interface_and_input_errors(make_encdec_checkpoint, encdec_run):
     with pytest.raises(ValueError, match="must hold 100 positions per request"):
         model.encode(EncoderBatch(metadata=short, input_features=torch.zeros(2, 16, 200)))
 
+
+
+def test_a_missing_bias_other_than_the_key_one_is_an_error(make_encdec_checkpoint, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(make_encdec_checkpoint("whisper"), tmp_path, dirs_exist_ok=True)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.decoder.layers.1.encoder_attn.v_proj.bias"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError) as err:
+        _load(tmp_path)
+    assert str(err.value) == (
+        f"checkpoint {tmp_path} is missing 1 tensors the model needs: "
+        "model.decoder.layers.1.encoder_attn.v_proj.bias"
+    )

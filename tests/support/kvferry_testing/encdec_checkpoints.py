@@ -240,7 +240,9 @@ def make_whisper_checkpoint(
 
     # frames = 2 * positions = seconds * rate / hop, so seconds = positions / 50.
     if max_source_positions % 50:
-        raise ValueError(f"max_source_positions must be a multiple of 50, got {max_source_positions}")
+        raise ValueError(
+            f"max_source_positions must be a multiple of 50, got {max_source_positions}"
+        )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_bpe(vocab_size - len(WHISPER_SPECIAL_TOKENS), [], seed)
@@ -276,7 +278,8 @@ def make_whisper_checkpoint(
     )
     torch.manual_seed(seed)
     _save_model(path, WhisperForConditionalGeneration(config), seed, dtype)
-    _write_json(path / "generation_config.json", _whisper_generation_config(ids, max_target_positions))
+    generation = _whisper_generation_config(ids, max_target_positions)
+    _write_json(path / "generation_config.json", generation)
     WhisperFeatureExtractor(
         feature_size=num_mel_bins,
         sampling_rate=WHISPER_SAMPLING_RATE,
