@@ -82,6 +82,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="tokens computed per step, prefill chunks and decodes together "
                             f"({_per_role_help('max_num_batched_tokens')})")
+    group.add_argument("--max-num-encoder-tokens", type=int, default=None,
+                       help="encoder-decoder models: encoder positions run per step, beside "
+                            "the token budget (default: the larger of "
+                            "--max-num-batched-tokens and the longest encoder input)")
     group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                        help="the order waiting requests are taken in")
     group.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
@@ -116,6 +120,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=_given_or(args.max_num_batched_tokens,
                                              defaults.max_num_batched_tokens),
             policy=args.scheduling_policy,
+            max_num_encoder_tokens=args.max_num_encoder_tokens,
         ),
         attention_backend=args.attention_backend,
         device=args.device,

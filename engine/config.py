@@ -102,6 +102,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # "fcfs": arrival order; "priority": lower `priority` value first, then arrival.
     policy: SchedulingPolicy = "fcfs"
+    # Encoder positions (encoder-decoder models) run in one step, beside the token budget,
+    # so a burst of long encoder inputs does not starve decoding. None: the larger of
+    # max_num_batched_tokens and the model's longest encoder input.
+    max_num_encoder_tokens: int | None = None
     # Filled in by the engine from ModelConfig once the checkpoint is known.
     max_model_len: int = 0
 
@@ -110,6 +114,10 @@ class SchedulerConfig:
         _require(
             self.max_num_batched_tokens >= 1,
             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        _require(
+            self.max_num_encoder_tokens is None or self.max_num_encoder_tokens >= 1,
+            f"max_num_encoder_tokens must be >= 1, got {self.max_num_encoder_tokens}",
         )
         _require(
             self.policy in ("fcfs", "priority"),

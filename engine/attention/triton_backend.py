@@ -1,8 +1,11 @@
 """The Triton attention backend: slot-mapped paged kernels for the whole flat batch.
 
-Each layer's step is two launches: `reshape_and_cache` writes the new keys and values at
-their slots, then `unified_attention` runs prefills, chunked prefills and decodes together
-over the block table (split-KV for few long decodes). On a GPU the kernels are compiled;
+Each decoder layer's step is two launches: `reshape_and_cache` writes the new keys and
+values at their slots, then `unified_attention` runs prefills, chunked prefills and decodes
+together over the block table (split-KV for few long decodes). Cross-attention is the
+second launch alone, non-causal over the cross block table; encoder self-attention is one
+`encoder_attention` launch (the same kernel reading the step's own keys in place), with no
+cache at all. On a GPU the kernels are compiled;
 on CPU tensors they run only under Triton's interpreter (`TRITON_INTERPRET=1`, set before
 the kernels are first imported).
 """
@@ -16,6 +19,7 @@ from kvferry.engine.attention.backend import (
     AttentionType,
     KVCacheView,
 )
+from kvferry.engine.attention.triton.encoder_attention import encoder_attention
 from kvferry.engine.attention.triton.reshape_and_cache import reshape_and_cache
 from kvferry.engine.attention.triton.unified_attention import unified_attention
 
@@ -38,18 +42,34 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_size)
-        """Stores `key`/`value` at `metadata.slot_mapping`, then attends (see the interface).
+        """Stores `key`/`value` at `metadata.slot_mapping`, then attends (see the interface):
+        DECODER writes then attends causally, CROSS only attends over the cached keys,
+        ENCODER attends over `key`/`value` themselves and never touches `kv_cache`.
 
         Rows past `metadata.num_actual_tokens` (padding) are neither written to the cache
         nor computed; their output rows are left unset.
         """
-        if metadata.attn_type is AttentionType.ENCODER:
-            raise NotImplementedError("encoder self-attention in the Triton backend")
-        assert kv_cache is not None
-        key_cache, value_cache = kv_cache
         num_tokens = metadata.num_actual_tokens
-        if metadata.attn_type is AttentionType.DECODER:
-            assert key is not None and value is not None
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        attn_type = metadata.attn_type
+        if attn_type is not AttentionType.CROSS and (key is None or value is None):
+            raise ValueError(f"{attn_type.value} attention needs the step's keys and values")
+        if attn_type is AttentionType.ENCODER:
+            encoder_attention(
+                query[:num_tokens],
+                key[:num_tokens],
+                value[:num_tokens],
+                metadata.query_start_loc,
+                scale,
+                max_query_len=metadata.max_query_len,
+                num_kv_splits=self._num_kv_splits,
+                out=output[:num_tokens],
+            )
+            return output
+        if kv_cache is None:
+            raise ValueError(f"{attn_type.value} attention needs the layer's KV cache")
+        key_cache, value_cache = kv_cache
+        if attn_type is AttentionType.DECODER:
             reshape_and_cache(
                 key[:num_tokens],
                 value[:num_tokens],
@@ -57,7 +77,6 @@ class TritonAttentionBackend(AttentionBackend):
                 value_cache,
                 metadata.slot_mapping[:num_tokens],
             )
-        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         unified_attention(
             query[:num_tokens],
             key_cache,

@@ -8,12 +8,13 @@ step produced.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Iterable
 
 import torch
-from kvferry.engine.config import CacheConfig, EngineConfig
+from kvferry.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvferry.engine.core.kv_cache import KVCacheManager
 from kvferry.engine.core.kv_connector import start_kv_connector
 from kvferry.engine.core.messages import (
@@ -56,6 +57,7 @@ class EngineCore:
         self.max_model_len = resolve_max_model_len(model_cfg.max_model_len, self.arch)
         self.dtype = resolve_dtype(model_cfg.dtype, self.arch, self.device)
         sched_cfg.max_model_len = self.max_model_len
+        max_encoder_len = resolve_encoder_budget(sched_cfg, self.arch)
         self.runner = ModelRunner(
             self.model_dir, self.arch, self.dtype, self.device, cache_cfg,
             max_num_reqs=sched_cfg.max_num_seqs, max_model_len=self.max_model_len,
@@ -68,10 +70,12 @@ class EngineCore:
         gpu_budget = (
             None if cache_cfg.num_gpu_blocks_override is not None
             else self.runner.measure_kv_cache_budget(
-                cache_cfg.gpu_memory_utilization, sched_cfg.max_num_seqs)
+                cache_cfg.gpu_memory_utilization, sched_cfg.max_num_seqs,
+                sched_cfg.max_num_encoder_tokens or 0)
         )
         num_blocks = determine_num_blocks(self.arch, cache_cfg, self.dtype, gpu_budget)
-        check_kv_cache_fits(num_blocks, cache_cfg, self.max_model_len, self.device)
+        check_kv_cache_fits(num_blocks, cache_cfg, self.max_model_len, self.device,
+                            max_encoder_len)
         self.runner.initialize_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching
@@ -100,6 +104,8 @@ class EngineCore:
                 enable_chunked_prefill=sched_cfg.enable_chunked_prefill,
                 enable_prompt_embeds=model_cfg.enable_prompt_embeds,
                 hidden_size=self.arch.hidden_size,
+                max_encoder_len=max_encoder_len,
+                encoder_input=self.arch.encoder_input if max_encoder_len else "",
             ),
             eos_token_ids=list(self.arch.eos_token_ids),
             block_size=cache_cfg.block_size,
@@ -120,6 +126,18 @@ class EngineCore:
             raise ValueError(f"request id {request.req_id!r} is already in use")
         prompt_token_ids, prompt_embeds = self._prompt_of(request)
         self.info.limits.check_params(request.sampling_params)
+        encoder, cache_salt = request.encoder, request.cache_salt
+        self.info.limits.check_encoder(encoder)
+        encoder_key = None if encoder is None else encoder.key()
+        if encoder_key is not None:
+            # Decoder KV depends on the encoder's output: blocks are shared only under the
+            # same encoder input.
+            cache_salt = encoder_key if cache_salt is None else combine_salts(cache_salt,
+                                                                              encoder_key)
+        if request.encode_only and encoder is None:
+            raise ValueError("encode_only needs an encoder input")
+        if encoder is not None and request.kv_transfer_params is not None:
+            raise ValueError("kv_transfer_params are not taken for encoder-decoder requests")
         self.scheduler.add_request(Request(
             request_id=request.req_id,
             prompt_token_ids=prompt_token_ids,
@@ -128,8 +146,11 @@ class EngineCore:
             eos_token_ids=tuple(request.eos_token_ids),
             priority=request.priority,
             arrival_time=request.arrival_time,
-            cache_salt=request.cache_salt,
+            cache_salt=cache_salt,
             kv_transfer_params=request.kv_transfer_params,
+            encoder=encoder,
+            encoder_key=encoder_key,
+            encode_only=request.encode_only,
         ))
 
     def _prompt_of(self, request: EngineCoreRequest) -> tuple[list[int], torch.Tensor | None]:
@@ -252,15 +273,18 @@ class EngineCore:
 
 
 def check_kv_cache_fits(
-    num_blocks: int, cache: CacheConfig, max_model_len: int, device: torch.device
+    num_blocks: int, cache: CacheConfig, max_model_len: int, device: torch.device,
+    max_encoder_len: int = 0,
 ) -> None:
-    """Raises ValueError unless the pool holds one sequence of `max_model_len` tokens.
+    """Raises ValueError unless the pool holds one sequence of `max_model_len` tokens (and,
+    for an encoder-decoder model, the cross-attention blocks of the longest encoder input).
 
     Otherwise a request that grows to that length could never be scheduled and would
     wait forever.
     """
     capacity = (num_blocks - 1) * cache.block_size  # block 0 is the null block
-    if capacity >= max_model_len:
+    cross = -(-max_encoder_len // cache.block_size) * cache.block_size
+    if capacity >= max_model_len + cross:
         return
     if cache.num_gpu_blocks_override is not None:
         setting = "num_gpu_blocks_override (--num-gpu-blocks-override)"
@@ -268,12 +292,36 @@ def check_kv_cache_fits(
         setting = "gpu_memory_utilization (--gpu-memory-utilization)"
     else:
         setting = "kv_cache_memory_bytes (--kv-cache-memory-bytes)"
+    needed = (f"max_model_len={max_model_len}" if not cross else
+              f"max_model_len={max_model_len} plus {cross} slots of cross-attention KV")
     raise ValueError(
         f"the KV cache pool has {num_blocks - 1} blocks of {cache.block_size} tokens "
-        f"({capacity} tokens), fewer than max_model_len={max_model_len}: a sequence of the "
+        f"({capacity} tokens), fewer than {needed}: a sequence of the "
         f"maximum length could never be scheduled. Raise {setting} or lower max_model_len "
         "(--max-model-len)"
     )
+
+
+def resolve_encoder_budget(sched: SchedulerConfig, arch: ModelArchConfig) -> int:
+    """Fills in the scheduler's encoder budget and returns the longest encoder input the
+    engine takes (0 for a decoder-only model); ValueError when the budget cannot hold the
+    input every audio request has."""
+    if not arch.is_encoder_decoder:
+        return 0
+    longest = arch.max_encoder_positions
+    if sched.max_num_encoder_tokens is None:
+        sched.max_num_encoder_tokens = max(sched.max_num_batched_tokens, longest)
+    if arch.encoder_input == "audio" and sched.max_num_encoder_tokens < longest:
+        raise ValueError(
+            f"max_num_encoder_tokens={sched.max_num_encoder_tokens} is smaller than the "
+            f"{longest} encoder positions of every audio input of this model: raise it "
+            "(--max-num-encoder-tokens)")
+    return min(longest, sched.max_num_encoder_tokens)
+
+
+def combine_salts(first: bytes, second: bytes) -> bytes:
+    """One prefix-cache salt from two (a prompt's and an encoder input's)."""
+    return hashlib.sha256(first + b"|" + second).digest()
 
 
 def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:

@@ -21,6 +21,8 @@ from kvferry.engine.sampling_params import SamplingParams
 from kvferry.kvtransfer.metrics import KVTransferStats
 from kvferry.kvtransfer.params import KVTransferParams
 
+from kvferry.protocol.block_hash import encoder_input_key, encoder_token_payload
+
 if TYPE_CHECKING:
     import torch
 
@@ -86,6 +88,51 @@ class PromptEmbeds(msgspec.Struct, array_like=True, frozen=True):
         return flat.view(self.num_tokens, self.hidden_size)
 
 
+class EncoderInput(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True):
+    """An encoder-decoder request's encoder input as it crosses to the core: the encoder
+    prompt's token ids (BART), or log-mel features (Whisper) as raw float32 bytes,
+    row-major (num_mel_bins, num_frames)."""
+
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    features: bytes = b""
+    num_mel_bins: int = 0
+    num_frames: int = 0
+    # The encoder prompt as text, when it was given as text (outputs carry it back).
+    text: str | None = None
+
+    @property
+    def is_audio(self) -> bool:
+        return self.num_frames > 0
+
+    @property
+    def num_positions(self) -> int:
+        """Encoder positions: one per token, or one per two frames (Whisper's stride-2
+        convolution)."""
+        return self.num_frames // 2 if self.is_audio else len(self.token_ids)
+
+    def key(self) -> bytes:
+        """The encoder input's hash (kvferry.protocol.block_hash.encoder_input_key)."""
+        if self.is_audio:
+            shape = self.num_mel_bins.to_bytes(4, "little") + self.num_frames.to_bytes(4, "little")
+            return encoder_input_key("audio", shape + self.features)
+        return encoder_input_key("tokens", encoder_token_payload(self.token_ids))
+
+    def features_tensor(self) -> torch.Tensor:
+        """The features as a read-only (num_mel_bins, num_frames) float32 tensor (no copy);
+        ValueError when the fields do not describe the bytes."""
+        import torch
+
+        expected = self.num_mel_bins * self.num_frames * 4
+        if self.num_mel_bins < 1 or len(self.features) != expected:
+            raise ValueError(f"audio features of shape ({self.num_mel_bins}, "
+                             f"{self.num_frames}) float32 need {expected} bytes, got "
+                             f"{len(self.features)}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only bytes, only read
+            flat = torch.frombuffer(self.features, dtype=torch.float32)
+        return flat.view(self.num_mel_bins, self.num_frames)
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     """One sequence to generate, already tokenized and validated by the front end."""
 
@@ -109,6 +156,11 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # The prompt as embeddings, in place of prompt_token_ids; `cache_salt` then holds their
     # hash (kvferry.protocol.prompt_embeds.embeds_salt).
     prompt_embeds: PromptEmbeds | None = None
+    # Encoder-decoder models: the encoder's input; prompt_token_ids are the decoder's.
+    encoder: EncoderInput | None = None
+    # Run only the encoder and leave the cross-attention KV in its blocks (cached, or held
+    # by the KV connector); the request ends when the encoder step has run, with no token.
+    encode_only: bool = False
 
 
 # One sampled position: [(token_id, logprob, rank), ...], the sampled token first, then the
@@ -167,6 +219,11 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     # a reader applies `evicted_block_hashes` first).
     stored_block_hashes: list[bytes] = msgspec.field(default_factory=list)
     evicted_block_hashes: list[bytes] = msgspec.field(default_factory=list)
+    # Encoder-decoder models: requests waiting whose encoder has not run, encoder positions
+    # run by this step, and cross-attention blocks held by requests (distinct blocks).
+    num_waiting_for_encoder: int = 0
+    num_step_encoder_tokens: int = 0
+    num_cross_blocks: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True):
@@ -194,6 +251,45 @@ class EngineLimits(msgspec.Struct, array_like=True, frozen=True):
     # Prompts may be given as embeddings of `hidden_size` columns (enable_prompt_embeds).
     enable_prompt_embeds: bool = False
     hidden_size: int = 0
+    # Encoder-decoder models: the longest encoder input in positions (0: decoder-only) and
+    # what the encoder reads ("tokens" or "audio").
+    max_encoder_len: int = 0
+    encoder_input: str = ""
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.max_encoder_len > 0
+
+    def check_encoder(self, encoder: EncoderInput | None) -> None:
+        """Raises ValueError unless the encoder input suits this model (none for a
+        decoder-only model; token ids in the vocabulary, or features of the right shape)."""
+        if encoder is None:
+            if self.is_encoder_decoder:
+                raise ValueError("this is an encoder-decoder model: a request needs an "
+                                 "encoder input")
+            return
+        if not self.is_encoder_decoder:
+            raise ValueError("this model has no encoder: give a plain prompt, not an "
+                             "encoder_prompt")
+        if self.encoder_input == "audio":
+            if encoder.token_ids or not encoder.is_audio:
+                raise ValueError("this model's encoder reads audio, not token ids")
+            encoder.features_tensor()  # checks that the bytes match the shape
+            if encoder.num_positions != self.max_encoder_len:
+                raise ValueError(f"audio features of {encoder.num_frames} frames; this model "
+                                 f"takes exactly {2 * self.max_encoder_len}")
+            return
+        if encoder.is_audio or encoder.features:
+            raise ValueError("this model's encoder reads token ids, not audio")
+        if not encoder.token_ids:
+            raise ValueError("the encoder prompt is empty: it must have at least one token")
+        bad = next((t for t in encoder.token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"encoder prompt token id {bad} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        if len(encoder.token_ids) > self.max_encoder_len:
+            raise ValueError(f"the encoder prompt has {len(encoder.token_ids)} tokens, more "
+                             f"than the encoder's maximum of {self.max_encoder_len}")
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raises ValueError naming the problem and the limit."""

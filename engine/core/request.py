@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvferry.engine.core.kv_connector import TransferParams
-from kvferry.engine.core.messages import FinishReason
+from kvferry.engine.core.messages import EncoderInput, FinishReason
 from kvferry.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -76,6 +76,13 @@ class Request:
     # dtype; None for a prompt of token ids. Dropped when the request finishes, so nothing
     # keeps a finished request's tensor alive.
     prompt_embeds: torch.Tensor | None = None
+    # Encoder-decoder models: the encoder's input (prompt_token_ids are the decoder's), its
+    # key (the hash its cross-attention blocks are cached under; also part of `cache_salt`,
+    # since decoder KV depends on it), and, for a request that only runs its encoder
+    # (leaving its cross blocks cached, e.g. an encoder pod), `encode_only`.
+    encoder: EncoderInput | None = None
+    encoder_key: bytes | None = None
+    encode_only: bool = False
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -100,6 +107,13 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        # Computed once: the cross blocks' cache keys (block_hash.hash_cross_blocks).
+        self.cross_block_hashes: list[bytes] = []
+
+    @property
+    def num_encoder_tokens(self) -> int:
+        """Encoder positions (0 for a decoder-only request)."""
+        return 0 if self.encoder is None else self.encoder.num_positions
 
     @property
     def num_prompt_tokens(self) -> int:

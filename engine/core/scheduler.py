@@ -36,6 +36,7 @@ from kvferry.engine.core.request_queue import make_request_queue
 from kvferry.engine.core.running_plan import plan_running, request_id
 from kvferry.engine.core.scheduler_output import (
     CachedRequestData,
+    EncoderWork,
     ModelRunnerOutput,
     SchedulerOutput,
     new_request_data,
@@ -71,6 +72,11 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self._min_tokens = MinTokensGuard()
         self.num_preemptions = 0
+        # Encode-only requests whose cross blocks were all cached: done with this step.
+        self._encoded_from_cache: list[Request] = []
+        # Set by the first encoder-decoder request: the encoder gauges are worth computing.
+        self._serves_encoder = False
+        self._step_encoder_tokens = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -89,6 +95,7 @@ class Scheduler:
             if cap is not None:
                 request.max_output_tokens = min(request.max_output_tokens, cap)
         self.requests[request.request_id] = request
+        self._serves_encoder |= request.encoder is not None
         if self.remote is not None:
             self.remote.add_request(request)
         self._min_tokens.add(request)
@@ -137,7 +144,8 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue
             if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
+                if not request.encode_only:  # an encode-only request has no place in it
+                    self.running.remove(request)
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 self.remote.remove_waiting(request)
             elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
@@ -175,8 +183,9 @@ class Scheduler:
         written; nothing of it entered the prefix cache (see the module invariant), so
         dropping the requests leaves the cache and the other requests consistent.
         """
+        encoded = [work.req_id for work in scheduler_output.scheduled_encoder_inputs]
         return self.finish_requests(
-            list(scheduler_output.num_scheduled_tokens), RequestStatus.FINISHED_ERROR
+            [*scheduler_output.num_scheduled_tokens, *encoded], RequestStatus.FINISHED_ERROR
         )
 
     def has_request(self, req_id: str) -> bool:
@@ -226,12 +235,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
-        budget = StepBudget(self.config.max_num_batched_tokens, self.kv_cache_manager.block_size)
+        budget = StepBudget(self.config.max_num_batched_tokens, self.kv_cache_manager.block_size,
+                            self.config.max_num_encoder_tokens or 0)
         scheduled_running, preempted = self._schedule_running(budget)
         scheduled_waiting: list[Request] = []
         if not preempted:
             scheduled_waiting = self._schedule_waiting(budget)
         output = self._make_output(scheduled_running, scheduled_waiting, preempted, budget)
+        self._step_encoder_tokens = sum(r.num_encoder_tokens for r in budget.encoder_requests)
         for request, num_tokens in zip(budget.requests.values(), budget.scheduled.values()):
             request.num_computed_tokens += num_tokens
         return output
@@ -316,10 +327,22 @@ class Scheduler:
                 break
             request = self.waiting.peek()
             is_pulled = request.request_id in self.kv_cache_manager.req_to_blocks
+            cross_hits: list[KVCacheBlock] = []
+            num_new_cross = 0
             if is_pulled:
                 # Its pull succeeded: its blocks hold the pulled tokens' KV.
                 hits, num_hit_tokens = [], request.num_computed_tokens
             else:
+                if request.encoder is not None:
+                    cross = self._plan_cross_blocks(request, budget)
+                    if cross is None:
+                        break  # its encoder waits for the next step
+                    cross_hits, num_new_cross = cross
+                    if request.encode_only:
+                        if not self._admit_encode_only(request, cross_hits, num_new_cross,
+                                                       budget):
+                            break
+                        continue
                 hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
                 if self._next_block_in_flight(request, len(hits), budget):
                     break  # it will be a prefix-cache hit next step
@@ -340,7 +363,8 @@ class Scheduler:
             num_new = min(num_new, budget.tokens)
             # A pulled request's tokens are counted in its num_computed_tokens already.
             new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new, hits, 0 if is_pulled else num_hit_tokens
+                request, num_new, hits, 0 if is_pulled else num_hit_tokens,
+                cross_hits, num_new_cross,
             )
             if new_blocks is None:
                 break
@@ -349,11 +373,48 @@ class Scheduler:
                 self._record_admission(request, num_hit_tokens)
                 if self.remote is not None:
                     self.remote.compute_locally(request)
+            if num_new_cross:
+                budget.take_encoder(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             budget.take(request, num_new)
             scheduled.append(request)
         return scheduled
+
+    def _plan_cross_blocks(
+        self, request: Request, budget: StepBudget
+    ) -> tuple[list[KVCacheBlock], int] | None:
+        """An encoder-decoder request's cross table: its cached blocks (the encoder need not
+        run), or how many to allocate for its encoder to run this step. None when the encoder
+        must wait: the step's encoder budget is spent, or another request encodes the same
+        input this step (its blocks are a cache hit next step)."""
+        manager = self.kv_cache_manager
+        cached = manager.get_cached_cross_blocks(request)
+        if cached is not None:
+            return cached, 0
+        assert request.encoder_key is not None
+        if request.num_encoder_tokens > budget.encoder_tokens or (
+            manager.enable_caching and request.encoder_key in budget.encoder_keys
+        ):
+            return None
+        return [], manager.num_cross_blocks(request)
+
+    def _admit_encode_only(
+        self, request: Request, cross_hits: list[KVCacheBlock], num_new_cross: int,
+        budget: StepBudget,
+    ) -> bool:
+        """A request that only runs its encoder: its cross table, and no batch row. One
+        whose cross blocks are cached already is done at once (`update_from_output`)."""
+        if self.kv_cache_manager.allocate_slots(request, 0, None, 0, cross_hits,
+                                                num_new_cross) is None:
+            return False
+        self.waiting.pop()
+        request.status = RequestStatus.RUNNING
+        if num_new_cross:
+            budget.take_encoder(request)
+        else:
+            self._encoded_from_cache.append(request)
+        return True
 
     def _record_admission(self, request: Request, num_hit_tokens: int) -> None:
         self.kv_cache_manager.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
@@ -411,8 +472,13 @@ class Scheduler:
             new_block_ids=budget.new_block_ids,
             num_computed_tokens=[r.num_computed_tokens for r in running],
         )
-        get_block_ids = self.kv_cache_manager.get_block_ids
-        new_reqs = [new_request_data(r, get_block_ids(r.request_id)) for r in waiting]
+        manager = self.kv_cache_manager
+        get_block_ids, get_cross = manager.get_block_ids, manager.get_cross_block_ids
+        new_reqs = [
+            new_request_data(r, get_block_ids(r.request_id),
+                             None if r.encoder is None else get_cross(r.request_id))
+            for r in waiting
+        ]
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -426,6 +492,10 @@ class Scheduler:
         structured = self.structured_output
         if structured is not None and structured.num_requests:
             output.grammar_req_ids = structured.sampling_requests(budget.scheduled)
+        output.scheduled_encoder_inputs = [
+            EncoderWork(r.request_id, r.encoder, get_cross(r.request_id))  # type: ignore[arg-type]
+            for r in budget.encoder_requests
+        ]
         self.finished_req_ids = set()
         return output
 
@@ -439,7 +509,7 @@ class Scheduler:
         carries its finish reason.
         """
         self._cache_computed_blocks(scheduler_output)
-        outputs = []
+        outputs = self._finish_encoder_step(scheduler_output)
         stopped = False
         requests, running = self.requests, RequestStatus.RUNNING
         for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
@@ -519,6 +589,28 @@ class Scheduler:
             output.new_prompt_logprobs = entries
             output.prompt_logprobs_start = start
 
+    def _finish_encoder_step(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Indexes the cross blocks the step's encoder wrote; ends encode-only requests
+        (their cross blocks stay cached, or held by the KV connector)."""
+        outputs = []
+        done = self._encoded_from_cache
+        self._encoded_from_cache = []
+        for work in scheduler_output.scheduled_encoder_inputs:
+            request = self.requests.get(work.req_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran: its blocks were freed, never indexed
+            self.kv_cache_manager.cache_cross_blocks(request)
+            if request.encode_only:
+                done.append(request)
+        for request in done:
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            request.status = RequestStatus.FINISHED_STOPPED
+            outputs.append(EngineCoreOutput(
+                request.request_id, [], finish_reason=FinishReason.STOP,
+                kv_transfer_params=self._free_request(request)))
+        return outputs
+
     def _cache_computed_blocks(self, scheduler_output: SchedulerOutput) -> None:
         """Indexes the blocks whose KV the step finished writing (the one place that does)."""
         requests, running = self.requests, RequestStatus.RUNNING
@@ -544,5 +636,16 @@ class Scheduler:
                 0 if self.remote is None else len(self.remote.waiting_for_remote)),
             stored_block_hashes=stored,
             evicted_block_hashes=evicted,
+            **self._encoder_stats(),
         )
 
+    def _encoder_stats(self) -> dict[str, int]:
+        """Encoder-decoder models' gauges (nothing, and no work, for a decoder-only model)."""
+        if not self._serves_encoder:
+            return {}
+        tables = self.kv_cache_manager.req_to_cross_blocks.values()
+        return {
+            "num_waiting_for_encoder": sum(1 for r in self.waiting if r.encoder is not None),
+            "num_step_encoder_tokens": self._step_encoder_tokens,
+            "num_cross_blocks": len({block.block_id for table in tables for block in table}),
+        }

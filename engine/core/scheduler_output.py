@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvferry.engine.core.messages import EncoderInput
 from kvferry.engine.core.request import Request
 from kvferry.engine.sampling_params import SamplingParams
 
@@ -36,6 +37,19 @@ class NewRequestData:
     # A prompt given as embeddings (num_prompt_tokens, hidden_size); its token_ids then
     # start with placeholders. The runner reads its rows while the prompt is computed.
     prompt_embeds: torch.Tensor | None = None
+    # Encoder-decoder models: the request's cross-attention block table (whole, fixed for
+    # its life in the batch) and its encoder positions.
+    cross_block_ids: list[int] = field(default_factory=list)
+    num_encoder_tokens: int = 0
+
+
+@dataclass
+class EncoderWork:
+    """One request whose encoder runs this step, and where its cross-attention KV goes."""
+
+    req_id: str
+    encoder: EncoderInput
+    cross_block_ids: list[int]
 
 
 @dataclass
@@ -71,10 +85,17 @@ class SchedulerOutput:
     # engine core fills their bitmask rows while the model runs. Empty in a step without
     # one, which then does no mask work at all.
     grammar_req_ids: list[str] = field(default_factory=list)
+    # Encoder-decoder models: requests whose encoder runs this step, before the decoder
+    # (a request that only encodes has no decoder tokens and no batch row).
+    scheduled_encoder_inputs: list[EncoderWork] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+        return self.total_num_scheduled_tokens == 0 and not self.scheduled_encoder_inputs
+
+    @property
+    def num_encoder_tokens(self) -> int:
+        return sum(work.encoder.num_positions for work in self.scheduled_encoder_inputs)
 
 
 @dataclass
@@ -93,7 +114,9 @@ class ModelRunnerOutput:
         default_factory=dict)
 
 
-def new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
+def new_request_data(
+    request: Request, block_ids: list[int], cross_block_ids: list[int] | None = None
+) -> NewRequestData:
     """What the runner needs to build a row for a request it does not hold."""
     return NewRequestData(
         req_id=request.request_id,
@@ -104,4 +127,6 @@ def new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
         num_computed_tokens=request.num_computed_tokens,
         is_resumed=request.num_preemptions > 0,
         prompt_embeds=request.prompt_embeds,
+        cross_block_ids=cross_block_ids or [],
+        num_encoder_tokens=request.num_encoder_tokens,
     )

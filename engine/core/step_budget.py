@@ -8,9 +8,14 @@ from kvferry.engine.core.request import Request
 class StepBudget:
     """The step's tokens left, and per request: tokens taken, new blocks, filled blocks."""
 
-    def __init__(self, tokens: int, block_size: int) -> None:
+    def __init__(self, tokens: int, block_size: int, encoder_tokens: int = 0) -> None:
         self.tokens = tokens
         self.block_size = block_size
+        # Encoder positions the step may still run (encoder-decoder models), and the
+        # requests whose encoder runs this step, with their encoder inputs' keys.
+        self.encoder_tokens = encoder_tokens
+        self.encoder_requests: list[Request] = []
+        self.encoder_keys: set[bytes] = set()
         self.scheduled: dict[str, int] = {}
         self.requests: dict[str, Request] = {}
         # Blocks appended to a request's table this step (at most one allocation each).
@@ -37,6 +42,13 @@ class StepBudget:
             self.filling[request.request_id] = request
             if self._in_flight_hashes is not None:
                 self._in_flight_hashes.update(request.block_hashes[first:end])
+
+    def take_encoder(self, request: Request) -> None:
+        """Runs a request's encoder this step."""
+        assert request.encoder_key is not None
+        self.encoder_tokens -= request.num_encoder_tokens
+        self.encoder_requests.append(request)
+        self.encoder_keys.add(request.encoder_key)
 
     def untake(self, request: Request) -> None:
         """Gives back what a preempted request took (its blocks were freed with it)."""

@@ -230,7 +230,7 @@ class AsyncLLM:
         self.output_processor.add_request(make_parent_state(
             self.tokenizer, request_id, processed.prompt, processed.prompt_token_ids,
             {r.req_id: r.sampling_params for r in core_requests}, arrival,
-            RequestOutputKind.DELTA, processed.num_tokens,
+            RequestOutputKind.DELTA, processed.num_tokens, processed.encoder,
         ))
         queue: asyncio.Queue[RequestOutput | EngineDeadError] = asyncio.Queue()
         self._queues[request_id] = queue

@@ -10,15 +10,18 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from kvferry.engine.core.messages import (
     PROMPT_EMBEDS_DISABLED,
+    EncoderInput,
     EngineCoreInfo,
     EngineCoreRequest,
     PromptEmbeds,
 )
+from kvferry.engine.frontend.encoder_prompts import EncoderDecoderPrompts, is_explicit_prompt
 from kvferry.engine.frontend.tokenizer import Tokenizer
 from kvferry.engine.sampling_params import SamplingParams
 from kvferry.kvtransfer.admission import TransferAdmission
@@ -59,6 +62,9 @@ class ProcessedPrompt:
     prompt_embeds: torch.Tensor | None = None
     # Their hash (`embeds_salt`): the extra prefix-cache key of the prompt's blocks.
     cache_salt: bytes | None = None
+    # Encoder-decoder models: the encoder's input (`prompt`/`prompt_token_ids` are then the
+    # decoder's prompt).
+    encoder: EncoderInput | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -89,17 +95,39 @@ class InputProcessor:
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_error: str | None = None
         self._grammar_lock = threading.Lock()
+        # Encoder-decoder models: how prompts split between encoder and decoder.
+        self.encoder_prompts = (
+            EncoderDecoderPrompts(Path(info.model_dir), tokenizer)
+            if self.limits.is_encoder_decoder else None)
 
     def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
         """Tokenizes and validates a prompt; ValueError names the problem and the limit."""
         if isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
+            if self.encoder_prompts is not None:
+                raise ValueError("this encoder-decoder model takes no prompt embeddings")
             return self.process_embeds(prompt["prompt_embeds"])
+        if self.encoder_prompts is not None:
+            return self._encoder_decoder_prompt(prompt)
+        if is_explicit_prompt(prompt) or (isinstance(prompt, Mapping)
+                                          and "multi_modal_data" in prompt):
+            raise ValueError("this model has no encoder: give a plain prompt, not "
+                             "encoder_prompt, decoder_prompt or multi_modal_data")
         text, token_ids = _split_prompt(prompt)
         if token_ids is None:
             self.check_text_fits(text or "")
             token_ids = self.tokenizer.encode(text or "")
         self.limits.check_prompt(token_ids)
         return ProcessedPrompt(text, list(token_ids))
+
+    def _encoder_decoder_prompt(self, prompt: Any) -> ProcessedPrompt:
+        assert self.encoder_prompts is not None
+        if isinstance(prompt, str):
+            self.check_text_fits(prompt)
+        split = self.encoder_prompts.process(prompt)
+        self.limits.check_encoder(split.encoder)
+        self.limits.check_prompt(split.decoder_token_ids)
+        return ProcessedPrompt(split.decoder_text, split.decoder_token_ids,
+                               encoder=split.encoder)
 
     def process_embeds(self, tensor: Any) -> ProcessedPrompt:
         """A prompt given as a tensor of embeddings, checked (dense floating layout, 2-D after
@@ -137,6 +165,7 @@ class InputProcessor:
 
     def check_processed(self, prompt: ProcessedPrompt) -> None:
         """ValueError unless a prompt the caller built fits the core's limits."""
+        self.limits.check_encoder(prompt.encoder)
         if prompt.prompt_embeds is None:
             self.limits.check_prompt(prompt.prompt_token_ids)
             return
@@ -171,11 +200,13 @@ class InputProcessor:
         arrival_time: float,
         priority: int = 0,
         kv_transfer_params: dict[str, Any] | KVTransferParams | None = None,
+        encode_only: bool = False,
     ) -> list[EngineCoreRequest]:
         """The core requests of one user request: itself, or its `n` children.
 
         `kv_transfer_params`: the client's object, or params `admit_kv_transfer_params`
-        returned already.
+        returned already. `encode_only`: run only the encoder of an encoder-decoder
+        prompt, leaving its cross-attention KV in the cache.
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -188,6 +219,8 @@ class InputProcessor:
         kv_transfer_params = self._check_kv_transfer_params(kv_transfer_params, params)
         embeds = (None if prompt.prompt_embeds is None
                   else PromptEmbeds.from_tensor(prompt.prompt_embeds))
+        if encode_only and (prompt.encoder is None or params.n != 1):
+            raise ValueError("encode_only needs an encoder-decoder prompt and n=1")
         if params.n == 1:
             children = [(request_id, params)]
         else:
@@ -206,6 +239,8 @@ class InputProcessor:
                 cache_salt=prompt.cache_salt,
                 kv_transfer_params=kv_transfer_params,
                 prompt_embeds=embeds,
+                encoder=prompt.encoder,
+                encode_only=encode_only,
             )
             for child_id, child_params in children
         ]

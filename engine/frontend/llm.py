@@ -41,6 +41,7 @@ class LLM:
         device: str = "auto",
         served_model_name: str | None = None,
         enable_prompt_embeds: bool = False,
+        max_num_encoder_tokens: int | None = None,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -57,6 +58,7 @@ class LLM:
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy,  # type: ignore[arg-type]
+                max_num_encoder_tokens=max_num_encoder_tokens,
             ),
             attention_backend=attention_backend,
             device=device,
@@ -96,6 +98,27 @@ class LLM:
                 request_id, prompt, p, priority=priority[i] if priority else 0,
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
+            request_ids.append(request_id)
+        return self._run_engine(request_ids, use_tqdm)
+
+    def encode(
+        self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = False
+    ) -> list[RequestOutput]:
+        """Runs only the encoder of each prompt of an encoder-decoder model and leaves its
+        cross-attention KV in the prefix cache, so a later request with the same encoder
+        input starts decoding without running the encoder. Each output has no completion
+        tokens (finish_reason "stop"). Needs prefix caching (the KV would be freed unused
+        otherwise)."""
+        engine = self.llm_engine
+        if not engine.config.cache.enable_prefix_caching:
+            raise ValueError("encode leaves the encoder's KV in the prefix cache: enable "
+                             "prefix caching")
+        processed = [engine.process_prompt(p) for p in _as_prompt_list(prompts)]
+        request_ids = []
+        for prompt in processed:
+            request_id = engine.next_request_id()
+            engine.add_request(request_id, prompt, SamplingParams(max_tokens=1),
+                               output_kind=RequestOutputKind.FINAL_ONLY, encode_only=True)
             request_ids.append(request_id)
         return self._run_engine(request_ids, use_tqdm)
 

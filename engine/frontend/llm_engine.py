@@ -89,19 +89,22 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        encode_only: bool = False,
     ) -> None:
-        """Queues a request (with `params.n` completions); raises ValueError on bad input."""
+        """Queues a request (with `params.n` completions); raises ValueError on bad input.
+
+        `encode_only`: run only the encoder of an encoder-decoder prompt (see LLM.encode)."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         processed = prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         core_requests = self.input_processor.make_requests(
-            request_id, processed, params, arrival, priority
+            request_id, processed, params, arrival, priority, encode_only=encode_only
         )
         self.output_processor.add_request(make_parent_state(
             self.tokenizer, request_id, processed.prompt, processed.prompt_token_ids,
             {r.req_id: r.sampling_params for r in core_requests}, arrival, output_kind,
-            processed.num_tokens,
+            processed.num_tokens, processed.encoder,
         ))
         for request in core_requests:
             self.engine_core.add_request(request)

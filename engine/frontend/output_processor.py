@@ -13,7 +13,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvferry.engine.core.messages import EngineCoreOutput, FinishReason, PositionLogprobs
+from kvferry.engine.core.messages import (
+    EncoderInput,
+    EngineCoreOutput,
+    FinishReason,
+    PositionLogprobs,
+)
 from kvferry.engine.frontend.detokenizer import IncrementalDetokenizer
 from kvferry.engine.frontend.outputs import (
     CompletionOutput,
@@ -102,6 +107,9 @@ class ParentState:
     # With prompt_logprobs: one entry per prompt position, filled as prefill chunks come
     # (every child computes the same prompt; a recomputed chunk rewrites the same entries).
     prompt_logprobs: PromptLogprobs | None = None
+    # Encoder-decoder models: the encoder's prompt, as RequestOutput carries it.
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -117,6 +125,7 @@ def make_parent_state(
     arrival_time: float,
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     num_prompt_tokens: int | None = None,
+    encoder: EncoderInput | None = None,
 ) -> ParentState:
     """The output state of a request whose core requests are `child_params` (id -> params).
 
@@ -137,6 +146,9 @@ def make_parent_state(
     )
     if any(p.prompt_logprobs is not None for p in child_params.values()):
         parent.prompt_logprobs = [None] * len(prompt_token_ids)
+    if encoder is not None:
+        parent.encoder_prompt = encoder.text
+        parent.encoder_prompt_token_ids = list(encoder.token_ids)
     return parent
 
 
@@ -290,6 +302,8 @@ class OutputProcessor:
             kv_transfer_params=parent.kv_transfer_params,
             error=parent.error,
             prompt_logprobs=parent.prompt_logprobs,
+            encoder_prompt=parent.encoder_prompt,
+            encoder_prompt_token_ids=parent.encoder_prompt_token_ids,
         )
 
     def abort(

@@ -73,3 +73,8 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: per prompt position, None for the first, else
     # token id -> Logprob (the prompt's own token, then the top-N alternatives).
     prompt_logprobs: PromptLogprobs | None = None
+    # Encoder-decoder models: the encoder's prompt (its text when given as text; None
+    # for audio) and token ids (empty for audio); `prompt`/`prompt_token_ids` are the
+    # decoder's.
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None

@@ -34,11 +34,14 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_finished_requests: int = 0
+    # Encoder positions run (encoder-decoder models).
+    encoder_tokens_total: int = 0
 
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
         self.scheduler = scheduler
         self.last_iteration = iteration
         self.num_steps += 1
+        self.encoder_tokens_total += scheduler.num_step_encoder_tokens
         self.prompt_tokens_total += iteration.num_prompt_tokens
         self.generation_tokens_total += iteration.num_generation_tokens
         self.num_finished_requests += len(iteration.e2e_latencies)

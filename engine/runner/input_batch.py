@@ -9,7 +9,7 @@ so rows 0..num_reqs-1 stay dense.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,13 +31,17 @@ class CachedRequestState:
     # A prompt given as embeddings (num_prompt_tokens, hidden_size); prompt_token_ids then
     # holds placeholders. Forgotten with the state when the request finishes.
     prompt_embeds: torch.Tensor | None = None
+    # Encoder-decoder models: the cross-attention block table and encoder positions.
+    cross_block_ids: list[int] = field(default_factory=list)
+    num_encoder_tokens: int = 0
 
 
 class InputBatch:
     """Dense rows of the requests scheduled in a step."""
 
     def __init__(
-        self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device
+        self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device,
+        max_encoder_len: int = 0,
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
@@ -55,6 +59,14 @@ class InputBatch:
         # runs the plain token path without looking further).
         self.has_prompt_embeds = np.zeros(max_num_reqs, dtype=bool)
         self.num_prompt_embeds_rows = 0
+        # Encoder-decoder models: each row's cross-attention block table (fixed while the
+        # row lives) and encoder positions; None for a decoder-only model.
+        self.cross_block_table: CpuGpuBuffer | None = None
+        self.num_encoder_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        if max_encoder_len:
+            self.cross_block_table = CpuGpuBuffer(
+                max_num_reqs, -(-max_encoder_len // block_size), dtype=torch.int32,
+                device=device)
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.req_id_to_index: dict[str, int] = {}
         self.states: list[CachedRequestState | None] = [None] * max_num_reqs
@@ -77,6 +89,11 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.block_table.np[row] = 0  # no block id of the row's previous occupant survives
         self.append_block_ids(row, state.block_ids, record=False)
+        if self.cross_block_table is not None:
+            cross = self.cross_block_table.np
+            cross[row] = 0
+            cross[row, : len(state.cross_block_ids)] = state.cross_block_ids
+            self.num_encoder_tokens[row] = state.num_encoder_tokens
         self.req_ids[row] = state.req_id
         self.req_id_to_index[state.req_id] = row
         self.states[row] = state
@@ -107,8 +124,10 @@ class InputBatch:
         nb = int(self.num_blocks[src])
         self.block_table.np[dst, :nb] = self.block_table.np[src, :nb]
         self.block_table.np[dst, nb:] = 0
+        if self.cross_block_table is not None:
+            self.cross_block_table.np[dst] = self.cross_block_table.np[src]
         for array in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                      self.num_blocks, self.has_prompt_embeds):
+                      self.num_blocks, self.has_prompt_embeds, self.num_encoder_tokens):
             array[dst] = array[src]
         self.has_prompt_embeds[src] = False
         req_id = self.req_ids[src]

@@ -15,10 +15,14 @@ that size allocates again. On CPU the budget is explicit (`kv_cache_memory_bytes
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from kvferry.engine.attention.backend import AttentionMetadata
+from dataclasses import replace
+
+from kvferry.engine.attention.backend import AttentionMetadata, AttentionType
+from kvferry.engine.models.encoder_decoder import EncoderBatch
 from kvferry.engine.sample.metadata import SamplingMetadata
 from kvferry.engine.sample.sampler import Sampler
 from kvferry.engine.sampling_params import SamplingParams
@@ -43,9 +47,7 @@ def profile_batch(
 
     Each request's blocks follow the previous one's, after the null block 0.
     """
-    lengths = np.full(num_tokens // max_model_len, max_model_len, dtype=np.int32)
-    if num_tokens % max_model_len:
-        lengths = np.append(lengths, num_tokens % max_model_len).astype(np.int32)
+    lengths = profile_lengths(num_tokens, max_model_len)
     blocks_per_req = -(-int(lengths.max()) // block_size)
     num_reqs = lengths.size
     block_table = 1 + np.arange(num_reqs * blocks_per_req, dtype=np.int32).reshape(num_reqs, -1)
@@ -66,19 +68,79 @@ def profile_batch(
     return metadata, torch.from_numpy(positions).to(device), 1 + num_reqs * blocks_per_req
 
 
+@dataclass(frozen=True)
+class EncoderProfile:
+    """The largest encoder pass of an encoder-decoder model: `num_positions` encoder
+    positions (the encoder budget) in inputs of at most `max_positions`."""
+
+    num_positions: int
+    max_positions: int
+    # "tokens", or "audio" with `num_mel_bins` bins (frames = 2 * max_positions).
+    encoder_input: str
+    num_mel_bins: int = 0
+
+
+def run_encoder_profile(
+    model: torch.nn.Module, profile: EncoderProfile, vocab_size: int, views: list,
+    block_size: int, dtype: torch.dtype, device: torch.device,
+) -> None:
+    """The encoder pass of the largest step, with its cross-attention writes (into the
+    profiling cache's first blocks: their contents do not matter)."""
+    if profile.encoder_input == "audio":
+        num_inputs = max(profile.num_positions // profile.max_positions, 1)
+        lengths = np.full(num_inputs, profile.max_positions, dtype=np.int32)
+    else:
+        lengths = profile_lengths(profile.num_positions, profile.max_positions)
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total = int(starts[-1])
+    metadata = AttentionMetadata(
+        num_reqs=lengths.size, num_actual_tokens=total, max_query_len=int(lengths.max()),
+        max_seq_len=int(lengths.max()), query_start_loc=torch.from_numpy(starts).to(device),
+        seq_lens=torch.from_numpy(lengths).to(device),
+        block_table=torch.zeros((lengths.size, 0), dtype=torch.int32, device=device),
+        slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
+        query_start_loc_np=starts, seq_lens_np=lengths, attn_type=AttentionType.ENCODER,
+    )
+    if profile.encoder_input == "audio":
+        features = torch.randn((lengths.size, profile.num_mel_bins, 2 * profile.max_positions),
+                               dtype=dtype, device=device)
+        batch = EncoderBatch(metadata, input_features=features)
+    else:
+        positions = np.concatenate([np.arange(n) for n in lengths]).astype(np.int64)
+        batch = EncoderBatch(
+            metadata, input_ids=torch.randint(0, vocab_size, (total,), device=device),
+            positions=torch.from_numpy(positions).to(device))
+    hidden = model.encode(batch)
+    num_slots = views[0][0].shape[0] * block_size
+    slots = torch.arange(total, device=device) % num_slots
+    model.write_cross_kv(hidden, views, slots)
+
+
+def profile_lengths(num_tokens: int, max_len: int) -> np.ndarray:
+    """`num_tokens` split into requests of at most `max_len`."""
+    lengths = np.full(num_tokens // max_len, max_len, dtype=np.int32)
+    if num_tokens % max_len:
+        lengths = np.append(lengths, num_tokens % max_len).astype(np.int32)
+    return lengths
+
+
 @torch.inference_mode()
 def run_profile_step(
     model: torch.nn.Module, vocab_size: int, num_tokens: int, max_num_seqs: int,
     max_model_len: int, block_size: int, kv_cache_shape: tuple[int, ...],
-    dtype: torch.dtype, device: torch.device,
+    dtype: torch.dtype, device: torch.device, encoder: EncoderProfile | None = None,
 ) -> None:
     """The largest step: `num_tokens` through the model, then `max_num_seqs` rows of logits
     through the sampler with every filter on. Random token ids; the temporary cache it
-    writes is freed on return."""
+    writes is freed on return. An encoder-decoder model first runs its largest encoder
+    pass, and its decoder's cross-attention reads as many keys as its self-attention."""
     metadata, positions, num_blocks = profile_batch(num_tokens, max_model_len, block_size, device)
     # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]
     cache = torch.empty((num_blocks, *kv_cache_shape[1:]), dtype=dtype, device=device)
     views = [(cache[:, i, 0], cache[:, i, 1]) for i in range(cache.shape[1])]
+    if encoder is not None:
+        run_encoder_profile(model, encoder, vocab_size, views, block_size, dtype, device)
+        metadata.cross = replace(metadata, attn_type=AttentionType.CROSS)
     input_ids = torch.randint(0, vocab_size, (num_tokens,), device=device)
     hidden = model(input_ids, positions, views, metadata)
     num_rows = min(max_num_seqs, num_tokens)
@@ -94,13 +156,14 @@ def measure_gpu_kv_cache_budget(
     model: torch.nn.Module, vocab_size: int, num_tokens: int, max_num_seqs: int,
     max_model_len: int, block_size: int, kv_cache_shape: tuple[int, ...],
     dtype: torch.dtype, device: torch.device, utilization: float,
+    encoder: EncoderProfile | None = None,
 ) -> int:
     """Runs the profiling step on `device` (CUDA) and returns the KV cache budget in bytes."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     baseline = torch.cuda.memory_allocated(device)
     run_profile_step(model, vocab_size, num_tokens, max_num_seqs, max_model_len, block_size,
-                     kv_cache_shape, dtype, device)
+                     kv_cache_shape, dtype, device, encoder)
     torch.cuda.synchronize(device)
     activation_peak = torch.cuda.max_memory_allocated(device) - baseline
     torch.cuda.empty_cache()

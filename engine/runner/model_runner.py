@@ -9,18 +9,25 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from kvferry.engine.attention import AttentionMetadata, KVCacheView, get_attention_backend
+from kvferry.engine.attention import (
+    AttentionMetadata,
+    AttentionType,
+    KVCacheView,
+    get_attention_backend,
+)
 from kvferry.engine.config import CacheConfig
 from kvferry.engine.core.scheduler_output import (
     CachedRequestData,
+    EncoderWork,
     ModelRunnerOutput,
     SchedulerOutput,
 )
 from kvferry.engine.models.config import ModelArchConfig
+from kvferry.engine.models.encoder_decoder import EncoderBatch
 from kvferry.engine.models.loader import load_model
 from kvferry.engine.runner.cpu_malloc import keep_activation_memory
 from kvferry.engine.runner.input_batch import CachedRequestState, InputBatch
-from kvferry.engine.runner.memory_profile import measure_gpu_kv_cache_budget
+from kvferry.engine.runner.memory_profile import EncoderProfile, measure_gpu_kv_cache_budget
 from kvferry.engine.runner.prepare_inputs import InputBuffers, PreparedInputs, prepare_inputs
 from kvferry.engine.runner.step_staging import StepStaging, StepTensors
 from kvferry.engine.sample.metadata import SamplingMetadata
@@ -96,7 +103,11 @@ class ModelRunner:
         # Allocated by `initialize_kv_cache`, once its size is known.
         self.kv_cache = torch.empty(0, dtype=dtype, device=device)
         self.kv_caches: list[KVCacheView] = []
-        self.input_batch = InputBatch(max_num_reqs, max_model_len, cache.block_size, device)
+        # Encoder-decoder models: rows carry cross block tables as long as the longest input.
+        self.is_encoder_decoder = arch.is_encoder_decoder
+        self.input_batch = InputBatch(max_num_reqs, max_model_len, cache.block_size, device,
+                                      arch.max_encoder_positions if arch.is_encoder_decoder
+                                      else 0)
         self.buffers = InputBuffers.allocate(max_num_batched_tokens, max_num_reqs)
         self.staging = StepStaging(max_num_batched_tokens, max_num_reqs, device)
         self.sampler = Sampler()
@@ -113,7 +124,8 @@ class ModelRunner:
         arch = self.arch
         return (num_blocks, arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_size)
 
-    def measure_kv_cache_budget(self, utilization: float, max_num_seqs: int) -> int | None:
+    def measure_kv_cache_budget(self, utilization: float, max_num_seqs: int,
+                                max_num_encoder_tokens: int = 0) -> int | None:
         """On a GPU, the KV cache budget in bytes after a profiling step of the largest
         size (memory_profile.py); None on CPU, where the budget is configured."""
         if self.device.type != "cuda":
@@ -121,8 +133,17 @@ class ModelRunner:
         return measure_gpu_kv_cache_budget(
             self.model, self.arch.vocab_size, self.max_num_batched_tokens, max_num_seqs,
             self.max_model_len, self.block_size, self.kv_cache_shape(1), self.dtype,
-            self.device, utilization,
+            self.device, utilization, self.encoder_profile(max_num_encoder_tokens),
         )
+
+    def encoder_profile(self, max_num_encoder_tokens: int) -> EncoderProfile | None:
+        """The largest encoder pass a step can run (None for a decoder-only model)."""
+        arch = self.arch
+        if not arch.is_encoder_decoder:
+            return None
+        return EncoderProfile(max(max_num_encoder_tokens, arch.max_encoder_positions),
+                              arch.max_encoder_positions, arch.encoder_input,
+                              arch.num_mel_bins)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache, self.kv_caches = self._allocate_kv_cache(num_blocks, self.dtype)
@@ -151,7 +172,9 @@ class ModelRunner:
         """Runs the step; `grammar_bitmask` (being filled on another thread while the model
         runs) constrains the rows of requests under a grammar."""
         self._update_states(scheduler_output)
-        if scheduler_output.is_empty:
+        if scheduler_output.scheduled_encoder_inputs:
+            self._run_encoder(scheduler_output.scheduled_encoder_inputs)
+        if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         batch = self.input_batch
         req_ids = batch.active_req_ids
@@ -185,6 +208,40 @@ class ModelRunner:
         output = self._record_samples(sampled_rows, sampler_output)
         output.prompt_logprobs = prompt_logprobs
         return output
+
+    def _run_encoder(self, works: list[EncoderWork]) -> None:
+        """Runs the encoder over the inputs of the step's new encoder-decoder requests, as
+        one flat batch, and writes each decoder layer's cross-attention keys and values
+        into the requests' cross blocks (position p of a request goes to slot
+        `cross_block_ids[p // block_size] * block_size + p % block_size`)."""
+        device, block_size = self.device, self.block_size
+        lengths = np.fromiter((w.encoder.num_positions for w in works), np.int32, len(works))
+        starts = np.zeros(len(works) + 1, dtype=np.int32)
+        np.cumsum(lengths, out=starts[1:])
+        total = int(starts[-1])
+        metadata = AttentionMetadata(
+            num_reqs=len(works), num_actual_tokens=total, max_query_len=int(lengths.max()),
+            max_seq_len=int(lengths.max()),
+            query_start_loc=torch.from_numpy(starts).to(device),
+            seq_lens=torch.from_numpy(lengths).to(device),
+            block_table=torch.zeros((len(works), 0), dtype=torch.int32, device=device),
+            slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
+            query_start_loc_np=starts, seq_lens_np=lengths, attn_type=AttentionType.ENCODER,
+        )
+        positions = np.arange(total, dtype=np.int64) - np.repeat(starts[:-1], lengths)
+        if works[0].encoder.is_audio:
+            features = torch.stack([w.encoder.features_tensor() for w in works])
+            batch = EncoderBatch(metadata, input_features=features.to(device, self.dtype))
+        else:
+            ids = np.fromiter((t for w in works for t in w.encoder.token_ids), np.int64, total)
+            batch = EncoderBatch(metadata, input_ids=torch.from_numpy(ids).to(device),
+                                 positions=torch.from_numpy(positions).to(device))
+        hidden = self.model.encode(batch)  # (total, hidden_size)
+        tables = [np.asarray(w.cross_block_ids, dtype=np.int64) for w in works]
+        blocks = np.concatenate([table[np.arange(n) // block_size]
+                                 for table, n in zip(tables, lengths.tolist())])
+        slots = blocks * block_size + positions % block_size
+        self.model.write_cross_kv(hidden, self.kv_caches, torch.from_numpy(slots).to(device))
 
     def _inputs_embeds(
         self, input_ids: torch.Tensor, prepared: PreparedInputs, num_scheduled: np.ndarray,
@@ -283,6 +340,8 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 prompt_embeds=new.prompt_embeds,
+                cross_block_ids=new.cross_block_ids,
+                num_encoder_tokens=new.num_encoder_tokens,
             )
             self.requests[new.req_id] = state
             if new.sampling_params.prompt_logprobs is not None:
@@ -340,7 +399,7 @@ class ModelRunner:
 
     def _attention_metadata(self, prepared: PreparedInputs, staged: StepTensors) -> AttentionMetadata:
         num_reqs = prepared.seq_lens.shape[0]
-        return AttentionMetadata(
+        metadata = AttentionMetadata(
             num_reqs=num_reqs,
             num_actual_tokens=prepared.positions.shape[0],
             max_query_len=prepared.max_query_len,
@@ -352,6 +411,24 @@ class ModelRunner:
             query_start_loc_np=prepared.query_start_loc,
             seq_lens_np=prepared.seq_lens,
         )
+        cross_table = self.input_batch.cross_block_table
+        if cross_table is not None:
+            # Every row's queries over its encoder's keys (never causal, never written).
+            encoder_lens = self.input_batch.num_encoder_tokens[:num_reqs]
+            metadata.cross = AttentionMetadata(
+                num_reqs=num_reqs,
+                num_actual_tokens=metadata.num_actual_tokens,
+                max_query_len=metadata.max_query_len,
+                max_seq_len=int(encoder_lens.max()),
+                query_start_loc=staged.query_start_loc,
+                seq_lens=torch.from_numpy(encoder_lens).to(self.device, non_blocking=True),
+                block_table=cross_table.copy_to_device(num_reqs),
+                slot_mapping=staged.slot_mapping,
+                query_start_loc_np=prepared.query_start_loc,
+                seq_lens_np=encoder_lens,
+                attn_type=AttentionType.CROSS,
+            )
+        return metadata
 
     def _sampling_metadata(self, rows: list[int], so: SchedulerOutput,
                            grammar_bitmask: GrammarBitmask | None) -> SamplingMetadata:

@@ -16,9 +16,9 @@ import hmac
 import re
 import uuid
 from importlib import metadata
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
 from fastapi.responses import Response
 from kvferry.engine.config import EngineConfig
 from kvferry.engine.server.chat import chat_text, create_chat_completion
@@ -44,6 +44,12 @@ from kvferry.engine.server.protocol import (
 )
 from kvferry.engine.server.serving import check_model
 from kvferry.engine.server.state import ServerSettings, ServerState
+from kvferry.engine.server.transcriptions import (
+    AUDIO_PATH,
+    TranscriptionForm,
+    create_transcription,
+    require_multipart,
+)
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
@@ -54,10 +60,12 @@ __all__ = ["ServerSettings", "ServerState", "build_app", "serve"]
 # Routes that need the API key and a serving engine.
 API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 # Routes whose requests a drain waits for.
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", AUDIO_PATH})
 # The endpoint whose bodies may carry prompt embeddings, and the field's name as JSON.
 EMBEDS_PATH = "/v1/completions"
 EMBEDS_FIELD = b'"prompt_embeds"'
+# The flag of the size limit of most bodies.
+MAX_BODY_FLAG = "--max-body-bytes"
 # Requests whose bodies are not read.
 _BODYLESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # A client's X-Request-Id is used when it is short and printable.
@@ -107,18 +115,16 @@ class RequestGate:
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
         """The body read within the size limit, replayed to the app; None: a 413 was sent.
 
-        The body is read here, whole, because the routes read it whole anyway (JSON), and a
-        refusal from inside the app's body parsing would not reach the client as a 413.
+        The body is read here, whole, because the routes read it whole anyway (JSON, or a
+        transcription's form), and a refusal from inside the app's body parsing would not
+        reach the client as a 413.
         """
         settings = self.state.settings
-        limit = settings.max_body_bytes
-        embeds_limit = settings.max_embeds_body_bytes
-        if embeds_limit is not None and scope["path"] == EMBEDS_PATH:
-            # Past max_body_bytes only a body with prompt_embeds (checked once read).
-            limit = max(limit, embeds_limit)
+        path = scope["path"]
+        limit, flag = self._body_limit(path)
         length = _header(scope, b"content-length")
         if length is not None and length.strip().isdigit() and int(length) > limit:
-            await _too_large(limit, scope["path"] == EMBEDS_PATH)(scope, receive, send)
+            await _too_large(limit, flag)(scope, receive, send)
             return None
         parts: list[bytes] = []
         size = 0
@@ -129,16 +135,28 @@ class RequestGate:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                await _too_large(limit, scope["path"] == EMBEDS_PATH)(scope, receive, send)
+                await _too_large(limit, flag)(scope, receive, send)
                 return None
             parts.append(chunk)
             if not message.get("more_body"):
                 break
         body = b"".join(parts)
-        if size > settings.max_body_bytes and EMBEDS_FIELD not in body:
-            await _too_large(settings.max_body_bytes)(scope, receive, send)
+        if path == EMBEDS_PATH and size > settings.max_body_bytes and EMBEDS_FIELD not in body:
+            await _too_large(settings.max_body_bytes, MAX_BODY_FLAG)(scope, receive, send)
             return None
         return _replaying(body, receive)
+
+    def _body_limit(self, path: str) -> tuple[int, str]:
+        """The most bytes a body to `path` may have, and the flag that sets it."""
+        settings = self.state.settings
+        if path == AUDIO_PATH:
+            return settings.max_audio_body_bytes, "--max-audio-body-bytes"
+        if path != EMBEDS_PATH:
+            return settings.max_body_bytes, MAX_BODY_FLAG
+        # Past max_body_bytes only a body with prompt_embeds (checked once read).
+        embeds_limit = settings.max_embeds_body_bytes or 0
+        return (max(settings.max_body_bytes, embeds_limit),
+                "--max-embeds-body-bytes for a body with prompt_embeds")
 
     def _refusal(self, scope: Scope) -> Response | None:
         api_key = self.state.settings.api_key
@@ -151,9 +169,7 @@ class RequestGate:
         return None
 
 
-def _too_large(limit: int, embeds: bool = False) -> Response:
-    flag = "--max-embeds-body-bytes for a body with prompt_embeds" if embeds else \
-        "--max-body-bytes"
+def _too_large(limit: int, flag: str) -> Response:
     return error_response(413, f"the request body is larger than the limit of {limit} bytes "
                                f"({flag})", code="request_too_large")
 
@@ -224,6 +240,24 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.note_unknown_fields("/v1/chat/completions", body.unknown_fields())
         return await create_chat_completion(state, body, request)
+
+    @app.post(AUDIO_PATH, dependencies=[Depends(require_multipart)])
+    async def transcriptions(
+        request: Request,
+        file: Annotated[UploadFile, File(description="the audio: WAV, FLAC or OGG")],
+        model: Annotated[str, Form()],
+        language: Annotated[str | None, Form()] = None,
+        prompt: Annotated[str | None, Form()] = None,
+        response_format: Annotated[str, Form()] = "json",
+        temperature: Annotated[float, Form()] = 0.0,
+    ) -> Response:
+        # An empty field (as an HTML form sends one left blank) is one not given.
+        form = TranscriptionForm(model, language or None, prompt, response_format or "json",
+                                 temperature)
+        try:
+            return await create_transcription(state, form, file, request)
+        finally:
+            await file.close()
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:

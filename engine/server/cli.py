@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from kvferry.engine.arg_utils import add_engine_arguments, engine_config_from_args
 from kvferry.engine.server.state import (
+    DEFAULT_MAX_AUDIO_BODY_BYTES,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_EMBEDS_BODY_BYTES,
     DEFAULT_MAX_STOP_BYTES,
@@ -87,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --enable-prompt-embeds: the larger limit of a "
                              "/v1/completions body that carries prompt_embeds (default "
                              "$KVFERRY_MAX_EMBEDS_BODY_BYTES or 32 MiB)")
+    server.add_argument("--max-audio-body-bytes", type=int, default=DEFAULT_MAX_AUDIO_BODY_BYTES,
+                        metavar="N", help="answer 413 to a /v1/audio/transcriptions body (the "
+                                          "form with its audio file) larger than N bytes "
+                                          "(default 25 MiB, as OpenAI)")
     server.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS,
                         metavar="N", help="answer 400 to a request with more than N stop "
                                           f"strings (default {DEFAULT_MAX_STOP_STRINGS})")
@@ -167,8 +172,8 @@ def _int_env(environ: Mapping[str, str], name: str, low: int, high: int) -> int 
 def check_supported(args: argparse.Namespace) -> str | None:
     """Why this command line cannot run yet, or None."""
     if args.role == "encoder":
-        return ("--role encoder needs an encoder-decoder model, which is not available yet; "
-                "run with --role prefill, decode or both")
+        return ("--role encoder (an encoder pool that hands cross-attention KV to decode "
+                "pods) is not available yet; serve encoder-decoder models with --role both")
     if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
         return ("tensor and pipeline parallelism are not available yet; "
                 "--tensor-parallel-size and --pipeline-parallel-size must be 1")
@@ -179,6 +184,8 @@ def check_supported(args: argparse.Namespace) -> str | None:
         return f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}"
     if args.max_embeds_body_bytes < 1024:
         return f"--max-embeds-body-bytes must be >= 1024, got {args.max_embeds_body_bytes}"
+    if args.max_audio_body_bytes < 1024:
+        return f"--max-audio-body-bytes must be >= 1024, got {args.max_audio_body_bytes}"
     if args.max_stop_strings < 1:
         return f"--max-stop-strings must be >= 1, got {args.max_stop_strings}"
     if args.max_stop_bytes < 1:
@@ -247,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
             max_stop_bytes=args.max_stop_bytes, drain_timeout_s=args.drain_timeout, log_prompts=args.log_prompts,
             max_embeds_body_bytes=(args.max_embeds_body_bytes if args.enable_prompt_embeds
                                    else None),
+            max_audio_body_bytes=args.max_audio_body_bytes,
             uvicorn_log_level=args.uvicorn_log_level,
             registration=_registration(args, env, transfer_key),
             http_limits=http_limits_from_args(args),

@@ -31,6 +31,7 @@ from kvferry.http_protocol import uvicorn_options
 if TYPE_CHECKING:
     from kvferry.engine.frontend.async_llm import AsyncLLM
     from kvferry.engine.server.registry import PodRegistrar
+    from kvferry.engine.server.transcriptions import Transcriber
 
 logger = logging.getLogger("kvferry.engine.server")
 
@@ -83,6 +84,13 @@ class Lifecycle:
                 self.config, max_num_waiting=state.settings.max_num_waiting)
         except (EngineDeadError, ValueError, OSError, zmq.ZMQError) as exc:
             logger.error("the engine failed to load: %s", exc)
+            self._fail(f"it failed to load: {exc}")
+            return
+        try:
+            state.transcriber = await _load_transcriber(engine)
+        except (ValueError, OSError, ImportError) as exc:
+            logger.error("the model's audio front end failed to load: %s", exc)
+            await engine.shutdown()
             self._fail(f"it failed to load: {exc}")
             return
         state.engine = engine
@@ -190,6 +198,16 @@ class Lifecycle:
                 await self._load_task
         if self.state.engine is not None:
             await self.state.engine.shutdown()
+
+
+async def _load_transcriber(engine: AsyncLLM) -> Transcriber | None:
+    """The audio front end of a model whose encoder reads audio (Whisper), else None; read
+    off the event loop (it imports transformers). ValueError names what the checkpoint lacks."""
+    from kvferry.engine.server.transcriptions import Transcriber, takes_audio
+
+    if not takes_audio(engine.input_processor.limits):
+        return None
+    return await asyncio.to_thread(Transcriber.load, engine.info.model_dir, engine.tokenizer)
 
 
 def run_server(config: EngineConfig, settings: ServerSettings) -> int:

@@ -30,6 +30,8 @@ INTER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 
                        1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Encoder positions of a step: one short text up to a burst of 30 s audio inputs.
+ENCODER_TOKEN_BUCKETS = (16, 64, 256, 1024, 1500, 3000, 6000, 12000, 24000, 48000)
 # Finish reasons counted by vllm:request_success_total, present from the start at 0.
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -68,6 +70,16 @@ class EngineMetrics:
         self.kv_cache_usage = Gauge("vllm:kv_cache_usage_perc",
                                     "Fraction of KV cache blocks in use (1 = full)",
                                     names, registry=r).labels(**self._labels())
+        # Encoder-decoder models (zero for others).
+        self.num_waiting_for_encoder = Gauge(
+            "kvferry:num_requests_waiting_for_encoder",
+            "Encoder-decoder requests waiting to be admitted (their encoder to run, or their "
+            "cached cross-attention blocks to be taken)", names, registry=r,
+        ).labels(**self._labels())
+        self.num_cross_blocks = Gauge(
+            "kvferry:cross_attention_blocks_in_use",
+            "KV blocks holding cross-attention keys and values of running requests",
+            names, registry=r).labels(**self._labels())
         cache_info = Gauge("vllm:cache_config_info", "The KV cache configuration (value 1)",
                            ["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
                            registry=r)
@@ -98,6 +110,9 @@ class EngineMetrics:
             for reason in FINISH_REASONS
         }
         self._success_family = success
+        self.encoder_tokens = Counter(
+            "kvferry:encoder_tokens", "Encoder positions computed (encoder-decoder models)",
+            names, registry=r).labels(**labels)
         self.unknown_request_fields = Counter(
             "kvferry:unknown_request_fields",
             "Request fields that neither OpenAI's nor vLLM's schema has (ignored; each name "
@@ -124,6 +139,10 @@ class EngineMetrics:
         self.queue_time = histogram("vllm:request_queue_time_seconds",
                                     "Seconds from arrival to first being scheduled",
                                     REQUEST_BUCKETS)
+        self.step_encoder_tokens = histogram(
+            "kvferry:encoder_tokens_per_step",
+            "Encoder positions run by each step that ran an encoder (encoder-decoder models)",
+            ENCODER_TOKEN_BUCKETS)
 
     def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
         """The AsyncLLM stats listener: one engine step's state and events."""
@@ -134,6 +153,11 @@ class EngineMetrics:
         self.num_running.set(stats.num_running_reqs)
         self.num_waiting.set(stats.num_waiting_reqs)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.num_waiting_for_encoder.set(stats.num_waiting_for_encoder)
+        self.num_cross_blocks.set(stats.num_cross_blocks)
+        if stats.num_step_encoder_tokens:
+            self.encoder_tokens.inc(stats.num_step_encoder_tokens)
+            self.step_encoder_tokens.observe(stats.num_step_encoder_tokens)
         self.kv_transfer.update(stats.kv_transfer, stats.num_kv_transfer_fallbacks,
                                 stats.num_waiting_for_remote_kv)
         self._last_prefix_queries = _add_growth(

@@ -16,6 +16,9 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # base64 of a torch.save payload is 4/3 of the tensor's bytes, so this holds prompts of
 # about 24 MiB of embeddings (6,000 float32 rows of 1,024 values).
 DEFAULT_MAX_EMBEDS_BODY_BYTES = 32 * 1024 * 1024
+# The largest /v1/audio/transcriptions body by default: OpenAI's limit on an upload (25 MiB),
+# which holds about 13 minutes of 16 kHz 16-bit WAV.
+DEFAULT_MAX_AUDIO_BODY_BYTES = 25 * 1024 * 1024
 # The most `stop` strings a request may give, and their most UTF-8 bytes in all. Every new
 # token is matched against each of them, so they bound the work one request adds to every
 # step; clients use a handful (OpenAI takes 4).
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     from kvferry.engine.frontend.async_llm import AsyncLLM
     from kvferry.engine.server.metrics import EngineMetrics
     from kvferry.engine.server.registry import RegistrationSettings
+    from kvferry.engine.server.transcriptions import Transcriber
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,8 @@ class ServerSettings:
     # The larger limit of a /v1/completions body carrying prompt_embeds; None: the engine
     # takes no prompt embeddings, so no body gets past max_body_bytes.
     max_embeds_body_bytes: int | None = None
+    # 413 for a /v1/audio/transcriptions body (the form with its file) larger than this.
+    max_audio_body_bytes: int = DEFAULT_MAX_AUDIO_BODY_BYTES
     # 400 for a request with more `stop` strings than this, or more UTF-8 bytes in them.
     max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
     max_stop_bytes: int = DEFAULT_MAX_STOP_BYTES
@@ -80,6 +86,8 @@ class ServerState:
     phase: Phase = Phase.LOADING
     engine: AsyncLLM | None = None
     metrics: EngineMetrics | None = None
+    # The audio front end of a Whisper model (None: the model does not take audio).
+    transcriber: Transcriber | None = None
     # The chat template in use (None: the model has none).
     chat_template: str | None = None
     # Why the engine is unavailable (load failure or death), for 503 messages.

@@ -59,3 +59,31 @@ def hash_request_blocks(
         parent = hashlib.sha256(parent + data[offset : offset + step] + suffix).digest()
         known_hashes.append(parent)
     return known_hashes
+
+
+# Domain tags: a cross-attention block's hash is never equal to a decoder block's (those
+# hash an int64 token payload after a parent hash, these a tag first).
+_ENCODER_INPUT_TAG = b"kvferry-encoder-input|"
+_CROSS_BLOCK_TAG = b"kvferry-cross-block|"
+
+
+def encoder_input_key(kind: str, payload: bytes) -> bytes:
+    """The 32-byte key of an encoder input: `kind` ("tokens" or "audio") and its bytes (the
+    int64 token ids, or the log-mel features' float32 bytes with their shape first). Equal
+    keys mean equal encoder outputs, so requests with equal keys share cross blocks."""
+    digest = hashlib.sha256(_ENCODER_INPUT_TAG + kind.encode() + b"|")
+    digest.update(payload)
+    return digest.digest()
+
+
+def encoder_token_payload(token_ids: list[int]) -> bytes:
+    """The bytes `encoder_input_key` hashes for a token encoder's input."""
+    return array.array("q", token_ids).tobytes()
+
+
+def hash_cross_blocks(encoder_key: bytes, num_blocks: int) -> list[BlockHash]:
+    """The hashes of the cross-attention blocks of one encoder input (block `i` holds its
+    positions `[i * block_size, (i + 1) * block_size)`; the last may be partial: the input
+    never grows, so a partial block is final and cacheable too)."""
+    return [hashlib.sha256(_CROSS_BLOCK_TAG + encoder_key + i.to_bytes(4, "little")).digest()
+            for i in range(num_blocks)]

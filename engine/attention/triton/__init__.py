@@ -4,6 +4,8 @@ reference it must equal:
 - `reshape_and_cache`: writes a step's keys and values into the paged cache at their slots;
 - `unified_attention`: paged attention for prefill, chunked prefill and decode in one
   launch, causal or not, with split-KV reduced by `split_kv`;
+- `encoder_attention`: the same kernel for encoder self-attention, non-causal over each
+  request's own rows of the step's keys and values, with no cache;
 - `rmsnorm`, `rotary`, `activation`: RMSNorm (optionally fused with the residual add),
   rotary embedding in place, SiLU-and-mul.
 
@@ -21,6 +23,10 @@ are first imported.
 
 from kvferry.engine.attention.triton._runtime import HAS_TRITON
 from kvferry.engine.attention.triton.activation import silu_and_mul, silu_and_mul_reference
+from kvferry.engine.attention.triton.encoder_attention import (
+    encoder_attention,
+    encoder_attention_reference,
+)
 from kvferry.engine.attention.triton.reshape_and_cache import (
     reshape_and_cache,
     reshape_and_cache_reference,
@@ -40,6 +46,8 @@ from kvferry.engine.attention.triton.unified_attention import (
 __all__ = [
     "HAS_TRITON",
     "choose_num_kv_splits",
+    "encoder_attention",
+    "encoder_attention_reference",
     "fused_add_rms_norm",
     "reshape_and_cache",
     "reshape_and_cache_reference",

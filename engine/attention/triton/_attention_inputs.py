@@ -1,4 +1,5 @@
-"""Input checks of `unified_attention`, all made before launch: shapes, dtypes, layouts."""
+"""Input checks of `unified_attention` and `encoder_attention`, all made before launch:
+shapes, dtypes, layouts."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 from kvferry.engine.attention.triton._runtime import check_dtype, check_index_dtype
 
 # Head dims are padded to a power of two held in registers; 256 is the largest the tile
-# budget allows (see unified_attention._gpu_tiles).
+# budget allows (see _attention_launch.gpu_tiles).
 MAX_HEAD_SIZE = 256
 
 
@@ -26,7 +27,39 @@ def check_attention_inputs(
         "seq_lens": seq_lens,
         "block_table": block_table,
     }
-    _check_layouts(query, key_cache, value_cache, out, index_tensors)
+    _check_layouts(
+        {"query": query, "key_cache": key_cache, "value_cache": value_cache}, out, index_tensors
+    )
+
+
+def check_encoder_inputs(
+    query: torch.Tensor,  # (num_tokens, num_heads, head_size)
+    key: torch.Tensor,  # (num_tokens, num_kv_heads, head_size)
+    value: torch.Tensor,  # (num_tokens, num_kv_heads, head_size)
+    query_start_loc: torch.Tensor,  # (num_seqs + 1,)
+    out: torch.Tensor | None,  # (num_tokens, num_heads, head_size)
+) -> None:
+    """Raises ValueError, naming the argument, on any input `encoder_attention` does not
+    support."""
+    shapes = (
+        f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}, "
+        f"query_start_loc {tuple(query_start_loc.shape)}"
+    )
+    if (
+        query.dim() != 3
+        or key.dim() != 3
+        or key.shape != value.shape
+        or key.shape[0] != query.shape[0]
+        or query_start_loc.dim() != 1
+        or query_start_loc.shape[0] < 1
+    ):
+        raise ValueError(
+            "expected query (num_tokens, num_heads, head_size), key and value (num_tokens, "
+            f"num_kv_heads, head_size), query_start_loc (num_seqs + 1,); got {shapes}"
+        )
+    _check_heads(query.shape[1], query.shape[2], key.shape[1], key.shape[2], shapes)
+    _check_layouts({"query": query, "key": key, "value": value}, out,
+                   {"query_start_loc": query_start_loc})
 
 
 def _check_shapes(
@@ -63,24 +96,29 @@ def _check_shapes(
             f"seq_lens (num_seqs,), block_table (>= num_seqs, max_num_blocks); got {shapes}"
         )
     num_heads, head_size = query.shape[1:]
-    if head_size != key_cache.shape[3] or not 0 < head_size <= MAX_HEAD_SIZE:
+    _check_heads(num_heads, head_size, key_cache.shape[2], key_cache.shape[3], shapes)
+
+
+def _check_heads(
+    num_heads: int, head_size: int, num_kv_heads: int, kv_head_size: int, shapes: str
+) -> None:
+    if head_size != kv_head_size or not 0 < head_size <= MAX_HEAD_SIZE:
         raise ValueError(
-            f"head_size {head_size} (cache: {key_cache.shape[3]}) is not supported: query and "
-            f"cache must agree and be at most {MAX_HEAD_SIZE}"
+            f"head_size {head_size} (keys: {kv_head_size}) is not supported: query and "
+            f"keys must agree and be at most {MAX_HEAD_SIZE}"
         )
-    if num_heads % key_cache.shape[2]:
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads; got {shapes}")
 
 
 def _check_layouts(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    named: dict[str, torch.Tensor],  # the query first, then the keys and values
     out: torch.Tensor | None,
     index_tensors: dict[str, torch.Tensor],
 ) -> None:
+    query = named["query"]
     check_dtype("query", query)
-    named = {"query": query, "key_cache": key_cache, "value_cache": value_cache}
+    named = dict(named)
     if out is not None:
         if out.shape != query.shape:
             raise ValueError(f"out is {tuple(out.shape)}, query is {tuple(query.shape)}")

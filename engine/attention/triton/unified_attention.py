@@ -8,6 +8,11 @@ position `seq_lens[i] - query_len + j` and sees the keys up to it. Non-causal (e
 self-attention, cross-attention): every query sees all `seq_lens[i]` keys, however many
 queries there are; the block table is then the one of those keys.
 
+Encoder self-attention (`encoder_attention`) runs the same kernel in its KV_FROM_BATCH
+mode: request `i`'s keys are then the step's own key rows `query_start_loc[i]:
+query_start_loc[i + 1]`, read in place from the (num_tokens, num_kv_heads, head_size)
+key and value tensors with no block table and nothing written to a cache.
+
 Work split: one program takes BLOCK_Q consecutive queries of one request and one kv head,
 together with all query heads that share that kv head (BLOCK_M = BLOCK_Q * GROUP rows), so
 each key tile is loaded once for the whole group. With split-KV (flash-decoding) a third
@@ -21,10 +26,10 @@ from __future__ import annotations
 
 import torch
 from kvferry.engine.attention.triton._attention_inputs import check_attention_inputs
+from kvferry.engine.attention.triton._attention_launch import grid_size, launch_config
 from kvferry.engine.attention.triton._runtime import (
     check_device,
     is_interpreted,
-    next_power_of_2,
     require_triton,
     tl,
     triton,
@@ -35,9 +40,6 @@ from kvferry.engine.attention.triton.split_kv import (
     reduce_kv_splits,
 )
 
-# Register budget per program of `_gpu_tiles`, in bytes of query rows plus keys times
-# head dims.
-TILE_BUDGET_BYTES = 24576
 # The kernel takes exponentials base 2 (exp2 is the hardware's): scores are scaled by
 # scale * log2(e) so that 2^(score) equals e^(scale * q.k).
 LOG2_E = 1.4426950408889634
@@ -45,7 +47,7 @@ LOG2_E = 1.4426950408889634
 
 @triton.jit
 def _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
-    # Request i owns grid blocks from query_start_loc[i] // BLOCK_Q + i on (see `_grid`):
+    # Request i owns grid blocks from query_start_loc[i] // BLOCK_Q + i on (see `grid_size`):
     # binary search for the last request whose first block is <= q_block.
     # Annotated, so both bounds are int32 tensors even when num_seqs == 1 arrives as a
     # compile-time constant.
@@ -78,8 +80,8 @@ def _attend_tiles(
     tile_lo, tile_hi, kv_end, query_pos, kv_head, head_size, block_size, qk_scale,
     stride_bt_block, stride_kc_block, stride_kc_offset, stride_kc_head,
     stride_vc_block, stride_vc_offset, stride_vc_head,
-    BLOCK_D: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,
+    KV_FROM_BATCH: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     # q: (BLOCK_M, BLOCK_D); acc: (BLOCK_M, BLOCK_D) fp32; m_i, l_i: (BLOCK_M,) fp32, the
     # running max (log2 units) and sum of the online softmax.
@@ -88,11 +90,18 @@ def _attend_tiles(
     for tile in range(tile_lo, tile_hi):
         keys = tile * TILE_N + tl.arange(0, TILE_N)  # (TILE_N,) key positions
         key_valid = keys < kv_end  # never past seq_len: later table entries are the null block
-        block = tl.load(block_table_row_ptr + (keys // block_size) * stride_bt_block,
-                        mask=key_valid, other=0).to(tl.int64)
-        offset = keys % block_size
-        k_rows = block * stride_kc_block + offset * stride_kc_offset + kv_head * stride_kc_head
-        v_rows = block * stride_vc_block + offset * stride_vc_offset + kv_head * stride_vc_head
+        if KV_FROM_BATCH:
+            # The "cache" pointers start at the request's first key row: key k is row k.
+            k_rows = keys.to(tl.int64) * stride_kc_block + kv_head * stride_kc_head
+            v_rows = keys.to(tl.int64) * stride_vc_block + kv_head * stride_vc_head
+        else:
+            block = tl.load(block_table_row_ptr + (keys // block_size) * stride_bt_block,
+                            mask=key_valid, other=0).to(tl.int64)
+            offset = keys % block_size
+            k_rows = (block * stride_kc_block + offset * stride_kc_offset
+                      + kv_head * stride_kc_head)
+            v_rows = (block * stride_vc_block + offset * stride_vc_offset
+                      + kv_head * stride_vc_head)
         kt = tl.load(key_cache_ptr + k_rows[None, :] + dims[:, None],
                      mask=key_valid[None, :] & dim_valid[:, None], other=0.0)  # (BLOCK_D, TILE_N)
         v = tl.load(value_cache_ptr + v_rows[:, None] + dims[None, :],
@@ -162,10 +171,13 @@ def _unified_attention_kernel(
     stride_vc_block, stride_vc_offset, stride_vc_head,
     stride_bt_seq, stride_bt_block,
     # constexpr flags
-    CAUSAL: tl.constexpr, IS_SPLIT: tl.constexpr, BLOCK_Q: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr, IS_SPLIT: tl.constexpr, KV_FROM_BATCH: tl.constexpr,
+    BLOCK_Q: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
+    # KV_FROM_BATCH: the key/value pointers are the step's (num_tokens, num_kv_heads,
+    # head_size) tensors, seen as a cache of one-slot blocks; request i's keys are its own
+    # query rows, so seq_lens and the block table are not read.
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP
     q_block, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq = _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q)
@@ -173,9 +185,16 @@ def _unified_attention_kernel(
     query_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start
     # This program's first query within its request.
     q_offset = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
-    if q_offset >= query_len:  # a spare block of the grid (see `_grid`)
+    if q_offset >= query_len:  # a spare block of the grid (see `grid_size`)
         return
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
+    if KV_FROM_BATCH:
+        seq_len = query_len
+        key_base_ptr = key_cache_ptr + q_start * stride_kc_block
+        value_base_ptr = value_cache_ptr + q_start * stride_vc_block
+    else:
+        seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
+        key_base_ptr = key_cache_ptr
+        value_base_ptr = value_cache_ptr
     # Row r holds query q_offset + r // GROUP of query head kv_head * num_queries_per_kv
     # + r % GROUP; rows of padded group slots or past the request's end are masked.
     rows = tl.arange(0, BLOCK_M)
@@ -198,78 +217,18 @@ def _unified_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc, m_i, l_i = _attend_tiles(
-        q, acc, m_i, l_i, key_cache_ptr, value_cache_ptr,
+        q, acc, m_i, l_i, key_base_ptr, value_base_ptr,
         block_table_ptr + seq.to(tl.int64) * stride_bt_seq, tile_lo, tile_hi, kv_end,
         query_pos, kv_head, head_size, block_size, qk_scale,
         stride_bt_block, stride_kc_block, stride_kc_offset, stride_kc_head,
         stride_vc_block, stride_vc_offset, stride_vc_head,
-        BLOCK_D, TILE_N, DOT_PRECISION, DOT_IN_FP32,
+        KV_FROM_BATCH, BLOCK_D, TILE_N, DOT_PRECISION, DOT_IN_FP32,
     )
     _store_result(
         out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, acc, m_i, l_i,
         token, head, split, row_valid, dim_valid, num_heads, num_splits,
         stride_o_token, stride_o_head, IS_SPLIT, BLOCK_D,
     )
-
-
-def _launch_config(
-    query: torch.Tensor, num_kv_heads: int, max_query_len: int
-) -> dict[str, int | str | bool | None]:
-    """The kernel's constexprs and warps: BLOCK_Q queries by GROUP heads per program,
-    TILE_N keys per step, BLOCK_D padded head dims, and how the dots run."""
-    num_heads, head_size = query.shape[1:]
-    interpreted = is_interpreted(_unified_attention_kernel)
-    group = next_power_of_2(num_heads // num_kv_heads)
-    block_d = max(16, next_power_of_2(head_size))
-    if interpreted:
-        # The interpreter pays per operation, not per element: few, large tiles.
-        rows, tile_n = (64 if max_query_len * group >= 32 else 16), 32
-    else:
-        rows, tile_n = _gpu_tiles(group, block_d, max_query_len, query.element_size())
-    return {
-        "BLOCK_Q": max(1, rows // group),
-        "GROUP": group,
-        "BLOCK_D": block_d,
-        "TILE_N": tile_n,
-        # float32 attention stays float32 (no TF32) to match the torch path; half types
-        # take the target's default.
-        "DOT_PRECISION": "ieee" if query.dtype == torch.float32 else None,
-        "DOT_IN_FP32": interpreted and query.dtype == torch.bfloat16,
-        "num_warps": 8,
-    }
-
-
-def _gpu_tiles(
-    group: int, block_d: int, max_query_len: int, element_size: int
-) -> tuple[int, int]:
-    """(BLOCK_M, TILE_N) for a GPU: the largest that keep a program's query tile and its
-    gathered key/value pointers in registers.
-
-    Each key of a tile is gathered through the block table, so the K and V tiles need a
-    pointer per element; past about TILE_BUDGET_BYTES of (query rows + keys) x head dims
-    per program (8 warps), ptxas spills (its register reports for sm_90, Triton 3.9).
-    """
-    budget = TILE_BUDGET_BYTES // element_size
-    # tl.dot needs 16 rows; a program of many queries amortizes each key tile (prefill).
-    rows = max(64 if max_query_len * group >= 64 else 16, group)
-    while rows > max(16, group) and block_d * (rows + 16) > budget:
-        rows //= 2
-    tile_n = 64
-    while tile_n > 16 and block_d * (tile_n + rows) > budget:
-        tile_n //= 2
-    return rows, tile_n
-
-
-def _grid(num_tokens: int, num_seqs: int, block_q: int) -> int:
-    """Programs along the query axis: every request gets its own blocks of BLOCK_Q queries.
-
-    Request i's blocks start at `query_start_loc[i] // BLOCK_Q + i`. Worked example with
-    BLOCK_Q 4 and query lengths [5, 1, 6] (starts 0, 5, 6): request 0 starts at 0 and needs
-    2 blocks, request 1 starts at 5 // 4 + 1 = 2 and needs 1, request 2 starts at
-    6 // 4 + 2 = 3 and needs 2; 12 // 4 + 3 = 6 blocks cover them, one of them spare (its
-    program finds its request already covered and returns).
-    """
-    return num_tokens // block_q + num_seqs
 
 
 def unified_attention(
@@ -301,29 +260,76 @@ def unified_attention(
     check_attention_inputs(
         query, key_cache, value_cache, query_start_loc, seq_lens, block_table, out
     )
-    if num_kv_splits is not None and num_kv_splits < 1:
-        raise ValueError(f"num_kv_splits must be None or >= 1, got {num_kv_splits}")
-    out = torch.empty_like(query) if out is None else out
-    check_device(
-        _unified_attention_kernel, query=query, key_cache=key_cache, value_cache=value_cache,
-        query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table, out=out,
+    out = prepare_output(
+        query, out, num_kv_splits, key_cache=key_cache, value_cache=value_cache,
+        query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
     )
-    num_tokens, num_heads, head_size = query.shape
-    num_seqs, num_kv_heads = seq_lens.shape[0], key_cache.shape[2]
-    if num_tokens == 0 or num_seqs == 0:
+    if query.shape[0] == 0 or seq_lens.shape[0] == 0:
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if num_kv_splits is None:
         max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_query_len, max_seq_len)
-    tiles = _launch_config(query, num_kv_heads, max_query_len)
+        num_kv_splits = choose_num_kv_splits(
+            seq_lens.shape[0], key_cache.shape[2], max_query_len, max_seq_len
+        )
+    launch_kernel(
+        query, (key_cache, value_cache), query_start_loc, seq_lens,
+        block_table, scale, causal, max_query_len, num_kv_splits, out,
+    )
+    return out
+
+
+def prepare_output(
+    query: torch.Tensor,
+    out: torch.Tensor | None,
+    num_kv_splits: int | None,
+    **tensors: torch.Tensor,
+) -> torch.Tensor:
+    """The last checks before a launch (`num_kv_splits`, one device the kernel runs on for
+    `query`, `out` and `tensors`); returns `out`, or a new output like `query`."""
+    if num_kv_splits is not None and num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be None or >= 1, got {num_kv_splits}")
+    out = torch.empty_like(query) if out is None else out
+    check_device(_unified_attention_kernel, query=query, **tensors, out=out)
+    return out
+
+
+def launch_kernel(
+    query: torch.Tensor,  # (num_tokens, num_heads, head_size)
+    kv: tuple[torch.Tensor, torch.Tensor],  # each (num_blocks, block_size, num_kv_heads, D)
+    query_start_loc: torch.Tensor,  # (num_seqs + 1,)
+    seq_lens: torch.Tensor | None,  # (num_seqs,); None: keys from the batch
+    block_table: torch.Tensor | None,  # (num_seqs, max_num_blocks); None: keys from the batch
+    scale: float,
+    causal: bool,
+    max_query_len: int,
+    num_kv_splits: int,
+    out: torch.Tensor,  # (num_tokens, num_heads, head_size), written
+) -> None:
+    """Launches the kernel (and the split-KV reduction) over inputs already checked.
+
+    `kv` is the key/value cache pair, or with `block_table` None the step's own keys and
+    values as one-slot blocks (`encoder_attention`'s KV_FROM_BATCH mode).
+    """
+    key_cache, value_cache = kv
+    num_tokens, num_heads, head_size = query.shape
+    num_seqs, num_kv_heads = query_start_loc.shape[0] - 1, key_cache.shape[2]
+    kv_from_batch = block_table is None
+    if kv_from_batch:
+        # Never read: any int tensor fills the pointer arguments, strides 0.
+        seq_lens, block_table, table_strides = query_start_loc, query_start_loc, (0, 0)
+    else:
+        table_strides = block_table.stride()
+    tiles = launch_config(
+        query, num_kv_heads, max_query_len, is_interpreted(_unified_attention_kernel)
+    )
     is_split = num_kv_splits > 1
     partials = (
         allocate_partials(num_tokens, num_heads, num_kv_splits, tiles["BLOCK_D"], query.device)
         if is_split else (out, out, out)  # unused: the kernel writes `out` directly
     )
-    grid = (_grid(num_tokens, num_seqs, tiles["BLOCK_Q"]), num_kv_heads, num_kv_splits)
+    grid = (grid_size(num_tokens, num_seqs, tiles["BLOCK_Q"]), num_kv_heads, num_kv_splits)
     _unified_attention_kernel[grid](
         out, *partials, query, key_cache, value_cache, query_start_loc, seq_lens, block_table,
         scale * LOG2_E, num_seqs, num_heads, num_heads // num_kv_heads, head_size,
@@ -331,12 +337,11 @@ def unified_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_table.stride(0), block_table.stride(1),
-        CAUSAL=causal, IS_SPLIT=is_split, **tiles,
+        *table_strides,
+        CAUSAL=causal, IS_SPLIT=is_split, KV_FROM_BATCH=kv_from_batch, **tiles,
     )
     if is_split:
         reduce_kv_splits(*partials, out)
-    return out
 
 
 def unified_attention_reference(

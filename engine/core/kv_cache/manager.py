@@ -4,6 +4,13 @@ A request's blocks form its block table, which is append-only while the request 
 prefix-cache hits come first, then newly allocated blocks. Preemption and finishing free
 the whole table.
 
+An encoder-decoder request also owns a cross-attention block table, sized to its encoder
+input and allocated with its first self-attention blocks (seed 004: the request's blocks
+are |cross table| + |self table|). Cross blocks come from the same pool; the encoder step
+writes them once and they are read-only after. They are cached all or nothing under hashes
+of the encoder input (`hash_cross_blocks`), so requests with the same encoder input share
+them, and no cross block ever matches a decoder block.
+
 Allocation never indexes blocks in the prefix cache: the scheduler calls
 `cache_full_blocks` once a step has written them (a block allocated for a step that is
 then undone must not be found by a later request).
@@ -18,7 +25,7 @@ import numpy as np
 from kvferry.engine.core.kv_cache.block_pool import BlockPool, KVCacheBlock
 from kvferry.engine.core.request import Request
 
-from kvferry.protocol.block_hash import hash_request_blocks
+from kvferry.protocol.block_hash import hash_cross_blocks, hash_request_blocks
 
 
 @dataclass
@@ -38,6 +45,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_cross_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already in the prefix-cache index.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
@@ -54,6 +62,42 @@ class KVCacheManager:
         """Block ids of a request's table from index `start` on."""
         blocks = self.req_to_blocks.get(request_id, [])
         return [b.block_id for b in blocks[start:]]
+
+    def get_cross_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_cross_blocks.get(request_id, [])]
+
+    def num_cross_blocks(self, request: Request) -> int:
+        """Blocks the request's cross-attention KV takes (0 for a decoder-only request)."""
+        return -(-request.num_encoder_tokens // self.block_size)
+
+    def get_cached_cross_blocks(self, request: Request) -> list[KVCacheBlock] | None:
+        """Every cross block of the request's encoder input, when the cache holds them all;
+        None otherwise (the encoder must run: its output cannot be computed in part)."""
+        if not self.enable_caching or request.encoder_key is None:
+            return None
+        hashes = self._cross_hashes(request)
+        blocks = []
+        for block_hash in hashes:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                return None
+            blocks.append(block)
+        return blocks
+
+    def cache_cross_blocks(self, request: Request) -> None:
+        """Indexes a request's cross blocks once the encoder step has written them."""
+        blocks = self.req_to_cross_blocks.get(request.request_id)
+        if not self.enable_caching or not blocks or request.encoder_key is None:
+            return
+        for block, block_hash in zip(blocks, self._cross_hashes(request)):
+            self.block_pool.cache_block(block, block_hash)
+
+    def _cross_hashes(self, request: Request) -> list[bytes]:
+        if not request.cross_block_hashes:
+            assert request.encoder_key is not None
+            request.cross_block_hashes = hash_cross_blocks(
+                request.encoder_key, self.num_cross_blocks(request))
+        return request.cross_block_hashes
 
     def num_slots(self, request_ids: list[str]) -> np.ndarray:
         """(len(request_ids),) int64: tokens each request's blocks can hold."""
@@ -106,13 +150,21 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_new_computed_tokens: int = 0,
+        cross_blocks: list[KVCacheBlock] | None = None,
+        num_new_cross_blocks: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Makes room for `num_new_tokens` more tokens; None when the pool is too small.
 
         `new_computed_blocks` are prefix-cache hits of a request scheduled for the first
-        time; they join its table ahead of the new blocks.
+        time; they join its table ahead of the new blocks. An encoder-decoder request's
+        first allocation also gives it its cross table: `cross_blocks` (cached ones) or
+        `num_new_cross_blocks` fresh ones, all or nothing together with the self blocks.
         """
         blocks = self.req_to_blocks.get(request.request_id)
+        if cross_blocks or num_new_cross_blocks:
+            return self._allocate_with_cross(
+                request, num_new_tokens, new_computed_blocks or [], num_new_computed_tokens,
+                cross_blocks or [], num_new_cross_blocks)
         if blocks and not new_computed_blocks:
             # Fast path (most decode steps): the tokens fit the request's last block.
             num_tokens_after = request.num_computed_tokens + num_new_tokens
@@ -135,6 +187,36 @@ class KVCacheManager:
         if computed:
             # Hits are indexed already; the request's own caching starts after them.
             self.num_cached_blocks[request.request_id] = len(computed)
+        return new_blocks
+
+    def _allocate_with_cross(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed: list[KVCacheBlock],
+        num_computed_tokens: int,
+        cross_hits: list[KVCacheBlock],
+        num_new_cross: int,
+    ) -> list[KVCacheBlock] | None:
+        """A request's first allocation with its cross table (see `allocate_slots`)."""
+        req_id = request.request_id
+        assert req_id not in self.req_to_cross_blocks, f"{req_id} has a cross table already"
+        blocks = self.req_to_blocks.get(req_id, [])
+        num_tokens_after = request.num_computed_tokens + num_computed_tokens + num_new_tokens
+        num_self = max(-(-num_tokens_after // self.block_size) - len(blocks) - len(computed), 0)
+        num_evictable = sum(1 for b in (*computed, *cross_hits) if b.ref_cnt == 0)
+        if num_self + num_new_cross + num_evictable > self.num_free_blocks:
+            return None
+        self.block_pool.touch(cross_hits)
+        self.req_to_cross_blocks[req_id] = (
+            cross_hits or self.block_pool.get_new_blocks(num_new_cross))
+        self.block_pool.touch(computed)
+        table = self.req_to_blocks.setdefault(req_id, blocks)
+        table.extend(computed)
+        new_blocks = self.block_pool.get_new_blocks(num_self)
+        table.extend(new_blocks)
+        if computed:
+            self.num_cached_blocks[req_id] = len(computed)
         return new_blocks
 
     def allocate_running_slots(
@@ -180,6 +262,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
+        # Cross blocks last: they were allocated first, so they are evicted last.
+        cross = self.req_to_cross_blocks.pop(request.request_id, [])
+        self.block_pool.free_blocks(reversed(cross))
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

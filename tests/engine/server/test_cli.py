@@ -281,6 +281,14 @@ def test_stop_string_limits_default_to_64_strings_and_16_kib() -> None:
         "--max-stop-strings must be >= 1, got 0")
 
 
+def test_the_audio_body_limit_defaults_to_openais_25_mib() -> None:
+    base = ["kvferry", "serve", "--model", "demo"]
+    assert parse_serve(base).max_audio_body_bytes == 25 * 1024 * 1024
+    assert parse_serve([*base, "--max-audio-body-bytes", "4096"]).max_audio_body_bytes == 4096
+    assert check_supported(parse_serve([*base, "--max-audio-body-bytes", "10"])) == (
+        "--max-audio-body-bytes must be >= 1024, got 10")
+
+
 def test_the_embeds_body_limit_applies_only_with_prompt_embeds(
         monkeypatch: pytest.MonkeyPatch) -> None:
     base = ["kvferry", "serve", "--model", "demo"]

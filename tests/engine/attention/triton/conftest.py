@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from kvferry.engine.attention.backend import AttentionMetadata, KVCacheView
+from kvferry.engine.attention.backend import AttentionMetadata, AttentionType, KVCacheView
 from kvferry.engine.attention.torch_backend import TorchAttentionBackend
 from kvferry.engine.attention.triton._runtime import is_interpreted
 from kvferry.engine.attention.triton.activation import _silu_and_mul_kernel
@@ -126,6 +126,7 @@ def _metadata(
     tables: list[list[int]],
     slots: list[int],
     causal: bool,
+    attn_type: AttentionType,
     device: str,
 ) -> AttentionMetadata:
     # The block table is a view of a wider persistent table: its rows are not contiguous,
@@ -147,6 +148,7 @@ def _metadata(
         query_start_loc_np=query_start_loc,
         seq_lens_np=seq_lens_np,
         causal=causal,
+        attn_type=attn_type,
     )
 
 
@@ -189,6 +191,7 @@ def make_paged_batch(
     device: str,
     *,
     causal: bool = True,
+    attn_type: AttentionType = AttentionType.DECODER,
     block_size: int = 4,
     num_shared_blocks: int = 0,
     writes_keys: bool = True,
@@ -201,6 +204,8 @@ def make_paged_batch(
     (causal steps, encoder self-attention); otherwise (cross-attention) every slot is -1
     and all keys are already cached. `prewrite`: the step's own keys are in the cache too
     (for calling the attention kernel alone); otherwise only earlier positions are.
+    `attn_type` only labels the metadata: an ENCODER batch has `query_lens == seq_lens`
+    (every key is the step's own), a CROSS batch `writes_keys=False`.
     """
     gen = torch.Generator().manual_seed(seed)
     tables = _block_ids(seq_lens, block_size, num_shared_blocks, gen)
@@ -221,7 +226,7 @@ def make_paged_batch(
         key=key.to(device),
         value=value.to(device),
         cache=cache.to(device),
-        metadata=_metadata(query_lens, seq_lens, tables, slots, causal, device),
+        metadata=_metadata(query_lens, seq_lens, tables, slots, causal, attn_type, device),
         keys=keys,
         values=values,
     )
@@ -239,7 +244,7 @@ def naive_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
         v = v.double().repeat_interleave(group, dim=1)
         q_len = int(starts[i + 1] - starts[i])
         for j in range(q_len):
-            visible = k.shape[0] - q_len + j + 1 if batch.metadata.causal else k.shape[0]
+            visible = k.shape[0] - q_len + j + 1 if batch.metadata.is_causal else k.shape[0]
             scores = torch.einsum("hd,khd->hk", query[starts[i] + j], k[:visible]) * scale
             out[starts[i] + j] = torch.einsum("hk,khd->hd", scores.softmax(-1), v[:visible])
     return out
