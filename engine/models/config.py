@@ -8,6 +8,10 @@ from pathlib import Path
 from typing import Any
 
 
+# What an encoder reads (`ModelArchConfig.encoder_input`).
+ENCODER_INPUTS = ("tokens", "audio")
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     with path.open(encoding="utf-8") as f:
         data = json.load(f)
@@ -49,9 +53,21 @@ def _rope_params(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling
 
 
+def _check_encoder_decoder_sizes(raw: dict[str, Any], hidden_size: int) -> None:
+    """Each side's heads split d_model evenly; the encoder's feed-forward size (read by the
+    model from `raw`) is positive."""
+    for key in ("decoder_attention_heads", "encoder_attention_heads"):
+        heads = int(_require(raw, key))
+        if heads <= 0 or hidden_size % heads:
+            raise ValueError(f"d_model ({hidden_size}) must be a multiple of {key} ({heads})")
+    if int(_require(raw, "encoder_ffn_dim")) <= 0:
+        raise ValueError(f"encoder_ffn_dim must be positive, got {raw['encoder_ffn_dim']}")
+
+
 @dataclass(frozen=True)
 class ModelArchConfig:
-    """What the model definitions need to know about a decoder-only checkpoint."""
+    """What the model definitions need to know about a checkpoint (decoder-only, or an
+    encoder-decoder one: see the encoder fields)."""
 
     # The HF class name, e.g. "LlamaForCausalLM" (first of `architectures`).
     architecture: str
@@ -115,6 +131,21 @@ class ModelArchConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        if self.is_encoder_decoder:
+            self._check_encoder_fields()
+
+    def _check_encoder_fields(self) -> None:
+        for name in ("num_encoder_layers", "max_encoder_positions"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.encoder_input not in ENCODER_INPUTS:
+            raise ValueError(
+                f"encoder_input must be one of {', '.join(ENCODER_INPUTS)}, "
+                f"got {self.encoder_input!r}"
+            )
+        if self.encoder_input == "audio" and self.num_mel_bins <= 0:
+            raise ValueError(f"num_mel_bins must be positive, got {self.num_mel_bins}")
 
     @classmethod
     def from_pretrained(cls, model_dir: Path) -> ModelArchConfig:
@@ -137,6 +168,8 @@ class ModelArchConfig:
         architectures = raw.get("architectures") or []
         if not architectures:
             raise ValueError("config.json has no 'architectures' entry naming the model class")
+        if raw.get("is_encoder_decoder"):
+            return cls._from_encoder_decoder_dict(raw, generation)
         num_heads = int(_require(raw, "num_attention_heads"))
         hidden_size = int(_require(raw, "hidden_size"))
         rope_theta, rope_scaling = _rope_params(raw)
@@ -162,5 +195,59 @@ class ModelArchConfig:
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             hidden_act=str(raw.get("hidden_act", "silu")),
             mlp_bias=bool(raw.get("mlp_bias", False)),
+            raw={**raw, "generation_config": generation},
+        )
+
+    @classmethod
+    def _from_encoder_decoder_dict(
+        cls, raw: dict[str, Any], generation: dict[str, Any]
+    ) -> ModelArchConfig:
+        """BART and Whisper: the generic fields describe the decoder (whose layers own the
+        KV cache), the encoder fields the encoder; `raw` keeps the encoder's head count and
+        feed-forward size (`encoder_attention_heads`, `encoder_ffn_dim`)."""
+        hidden_size = int(_require(raw, "d_model"))
+        _check_encoder_decoder_sizes(raw, hidden_size)
+        num_heads = int(raw["decoder_attention_heads"])
+        # Whisper states each side's positions; BART one length for both.
+        max_positions = raw.get("max_position_embeddings")
+        decoder_positions = raw.get("max_target_positions", max_positions)
+        encoder_positions = raw.get("max_source_positions", max_positions)
+        if decoder_positions is None or encoder_positions is None:
+            raise ValueError(
+                "config.json lacks the required field 'max_position_embeddings' "
+                "(or 'max_target_positions' and 'max_source_positions')"
+            )
+        eos_ids = _as_id_list(raw.get("eos_token_id")) + _as_id_list(generation.get("eos_token_id"))
+        bos = raw.get("bos_token_id", generation.get("bos_token_id"))
+        # generate() reads the generation config's start token first, as this does.
+        start = generation.get("decoder_start_token_id", raw.get("decoder_start_token_id"))
+        is_audio = "num_mel_bins" in raw
+        return cls(
+            architecture=str(raw["architectures"][0]),
+            num_layers=int(_require(raw, "decoder_layers")),
+            hidden_size=hidden_size,
+            intermediate_size=int(_require(raw, "decoder_ffn_dim")),
+            num_heads=num_heads,
+            num_kv_heads=num_heads,
+            head_size=hidden_size // num_heads,
+            vocab_size=int(_require(raw, "vocab_size")),
+            max_position_embeddings=int(decoder_positions),
+            # The layer norms' epsilon (the reference's nn.LayerNorm default); no rope.
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            rope_scaling=None,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+            attention_bias=True,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=list(dict.fromkeys(eos_ids)),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            hidden_act=str(raw.get("activation_function", "gelu")),
+            mlp_bias=True,
+            is_encoder_decoder=True,
+            encoder_input="audio" if is_audio else "tokens",
+            num_encoder_layers=int(_require(raw, "encoder_layers")),
+            max_encoder_positions=int(encoder_positions),
+            decoder_start_token_id=None if start is None else int(start),
+            num_mel_bins=int(raw["num_mel_bins"]) if is_audio else 0,
             raw={**raw, "generation_config": generation},
         )

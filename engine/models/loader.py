@@ -4,7 +4,9 @@ Checkpoint names map onto the model's parameters one to one, except for the fuse
 projections: `...self_attn.q_proj.weight` fills the first row block of
 `...self_attn.qkv_proj.weight`, `k_proj` the second, and so on (the model's
 `packed_modules_mapping` says which). Extra checkpoint tensors (rotary `inv_freq`, a
-tied `lm_head`) are ignored; a missing one is an error.
+tied `lm_head`) are ignored; a missing one is an error, except a name ending in one of the
+model's `zero_when_absent` suffixes: that block is zero (Whisper's key projections have no
+bias, but share a fused projection with the query and value ones, which do).
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def _checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
     packed: dict[str, tuple[str, ...]] = getattr(model, "packed_modules_mapping", {})
     targets: dict[str, _Target] = {}
     for param_name, _ in model.named_parameters():
-        module_path, leaf = param_name.rsplit(".", 1)
+        # A parameter of the model itself (BART's final_logits_bias) has no module path.
+        module_path, _, leaf = param_name.rpartition(".")
         parent, _, module_name = module_path.rpartition(".")
         prefix = f"{parent}." if parent else ""
         if module_name in packed:
@@ -85,15 +88,20 @@ def _missing_error(model_dir: Path, missing: list[str]) -> ValueError:
     )
 
 
-def _copy_tensor(model: nn.Module, name: str, target: _Target, tensor: torch.Tensor) -> None:
-    param = model.get_parameter(target.param_name)
-    dest = param.data
+def _destination(model: nn.Module, target: _Target) -> torch.Tensor:
+    """The parameter data, or the row block of it, that `target` names."""
+    dest = model.get_parameter(target.param_name).data
     if target.shard_index is not None:
         module = model.get_submodule(target.param_name.rsplit(".", 1)[0])
         if not isinstance(module, Linear):
             raise TypeError(f"{target.param_name} is listed as packed but is not a Linear")
         start, end = module.shard_rows(target.shard_index)
         dest = dest[start:end]
+    return dest
+
+
+def _copy_tensor(model: nn.Module, name: str, target: _Target, tensor: torch.Tensor) -> None:
+    dest = _destination(model, target)
     if tuple(dest.shape) != tuple(tensor.shape):
         raise ValueError(
             f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
@@ -114,8 +122,13 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
             names_by_file[path] = [n for n in f.keys() if n in targets]
     found = {n for names in names_by_file.values() for n in names}
     missing = sorted(set(targets) - found)
+    zero_suffixes: tuple[str, ...] = tuple(getattr(model, "zero_when_absent", ()))
+    zeroed = [n for n in missing if zero_suffixes and n.endswith(zero_suffixes)]
+    missing = [n for n in missing if n not in zeroed]
     if missing:
         raise _missing_error(model_dir, missing)
+    for name in zeroed:
+        _destination(model, targets[name]).zero_()
     for path, names in names_by_file.items():
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in names:

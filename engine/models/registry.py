@@ -10,6 +10,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
+    # Encoder-decoder models (see encoder_decoder.py).
+    "BartForConditionalGeneration": ("bart", "BartForConditionalGeneration"),
+    "WhisperForConditionalGeneration": ("whisper", "WhisperForConditionalGeneration"),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)

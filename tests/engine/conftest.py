@@ -1,7 +1,7 @@
-"""Shared engine fixtures: `make_checkpoint` and `hf_model` (from `kvferry_testing`), and
-`process_report()`, which describes the test process for the failure message of a numerical
-comparison: which tests ran before in this process, thread counts, whether denormals are
-flushed, the CPU.
+"""Shared engine fixtures: `make_checkpoint`, `hf_model` and `make_encdec_checkpoint` (from
+`kvferry_testing`), and `process_report()`, which describes the test process for the
+failure message of a numerical comparison: which tests ran before in this process, thread
+counts, whether denormals are flushed, the CPU.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from kvferry_testing.checkpoints import (  # noqa: F401 (fixtures)
     hf_model,
     make_checkpoint,
 )
+from kvferry_testing.encdec_checkpoints import make_encdec_checkpoint  # noqa: F401 (fixture)
 
 # Node ids of the tests this process has started, in order.
 _started_tests: list[str] = []

@@ -49,14 +49,14 @@ def test_a_directory_without_config_is_not_a_checkpoint(tmp_path: Path) -> None:
 def test_an_architecture_the_engine_lacks_is_named_with_the_supported_ones(
         checkpoint: Path) -> None:
     config = json.loads((checkpoint / "config.json").read_text())
-    config["architectures"] = ["WhisperForConditionalGeneration"]
+    config["architectures"] = ["MambaForCausalLM"]
     (checkpoint / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError) as caught:
         check_checkpoint(checkpoint)
     assert str(caught.value) == (
-        f"{checkpoint / 'config.json'} names the architecture 'WhisperForConditionalGeneration', "
+        f"{checkpoint / 'config.json'} names the architecture 'MambaForCausalLM', "
         "which the engine does not implement; supported: LlamaForCausalLM, Qwen2ForCausalLM, "
-        "Qwen3ForCausalLM")
+        "Qwen3ForCausalLM, BartForConditionalGeneration, WhisperForConditionalGeneration")
 
 
 def test_a_config_that_is_not_json_is_named(checkpoint: Path) -> None:
