@@ -5,7 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvferry.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvferry.engine.frontend.llm_engine import LLMEngine, PromptType, RequestOutputKind
+from kvferry.engine.frontend.llm_engine import (
+    LLMEngine,
+    ProcessedPrompt,
+    PromptType,
+    RequestOutputKind,
+)
 from kvferry.engine.frontend.outputs import RequestOutput
 from kvferry.engine.sampling_params import SamplingParams
 
@@ -88,7 +93,7 @@ class LLM:
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
         engine = self.llm_engine
-        processed = [engine.process_prompt(p) for p in prompt_list]
+        processed = [_processed(engine, p) for p in prompt_list]
         for p in params:
             engine.input_processor.check_structured_outputs(p)
         request_ids = []
@@ -113,7 +118,7 @@ class LLM:
         if not engine.config.cache.enable_prefix_caching:
             raise ValueError("encode leaves the encoder's KV in the prefix cache: enable "
                              "prefix caching")
-        processed = [engine.process_prompt(p) for p in _as_prompt_list(prompts)]
+        processed = [_processed(engine, p) for p in _as_prompt_list(prompts)]
         request_ids = []
         for prompt in processed:
             request_id = engine.next_request_id()
@@ -143,8 +148,18 @@ class LLM:
         return [finished[r] for r in request_ids]
 
 
+def _processed(engine: LLMEngine, prompt: PromptType | ProcessedPrompt) -> ProcessedPrompt:
+    """A prompt tokenized and checked (one the caller processed already is kept)."""
+    if isinstance(prompt, ProcessedPrompt):
+        engine.input_processor.check_processed(prompt)
+        return prompt
+    return engine.process_prompt(prompt)
+
+
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, ProcessedPrompt):
         return [prompts]
     prompts = list(prompts)  # type: ignore[arg-type]
     if prompts and all(isinstance(t, int) for t in prompts):
