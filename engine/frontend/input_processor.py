@@ -73,6 +73,13 @@ class ProcessedPrompt:
             return int(self.prompt_embeds.shape[0])
         return len(self.prompt_token_ids)
 
+    @property
+    def num_input_tokens(self) -> int:
+        """The prompt's tokens as a request's usage counts them: the prompt positions, plus
+        for an encoder-decoder model the encoder's (its prompt's tokens, or audio positions),
+        so that a longer input never counts less."""
+        return self.num_tokens + (0 if self.encoder is None else self.encoder.num_positions)
+
 
 class InputProcessor:
     """Turns user requests into `EngineCoreRequest`s the core will accept."""

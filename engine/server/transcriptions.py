@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from fastapi import Request, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from kvferry.engine.core.messages import EngineLimits
 from kvferry.engine.frontend.audio import WhisperAudio, decode_audio
 from kvferry.engine.frontend.input_processor import ProcessedPrompt
 from kvferry.engine.frontend.outputs import RequestOutput
@@ -49,11 +48,6 @@ RESPONSE_FORMATS = ("json", "text", "verbose_json")
 MAX_TEMPERATURE = 1.0
 # Whisper never emits these; a bias this low keeps them from being sampled.
 SUPPRESS_BIAS = -100.0
-
-
-def takes_audio(limits: EngineLimits) -> bool:
-    """Whether the engine's model has an encoder that reads audio (Whisper)."""
-    return limits.is_encoder_decoder and limits.encoder_input == "audio"
 
 
 @dataclass(frozen=True)
