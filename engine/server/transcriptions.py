@@ -252,19 +252,22 @@ async def collect(job: TranscriptionJob, request: Request) -> ChoiceState:
 
 def render(response_format: str, inputs: TranscriptionInputs, choice: ChoiceState) -> Response:
     """The answer in the requested format. The text loses the space Whisper's first token
-    starts with, as OpenAI's does."""
+    starts with, as OpenAI's does. The usage of json and verbose_json is OpenAI's for a
+    model billed by the audio's length: its duration in seconds."""
     text = choice.text.strip()
     if response_format == "text":
         return PlainTextResponse(text)
-    if response_format == "json":
-        return JSONResponse({"text": text})
     duration = round(inputs.duration_s, 3)
+    usage = {"type": "duration", "seconds": duration}
+    if response_format == "json":
+        return JSONResponse({"text": text, "usage": usage})
     return JSONResponse({
         "task": TRANSCRIBE,
         "language": whisper_languages().get(inputs.language or "en", "english"),
         "duration": duration,
         "text": text,
         "segments": [_segment(inputs, choice, text, duration)],
+        "usage": usage,
     })
 
 
