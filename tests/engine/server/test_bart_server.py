@@ -188,5 +188,16 @@ def test_metrics_count_encoder_positions_once_per_distinct_prompt(
     assert server.metric("kvferry:encoder_tokens_total") - before == sum(lengths)
 
 
+def test_a_stream_left_early_frees_its_cross_blocks(server: ServerProcess) -> None:
+    body = {"model": "bart", "prompt": "Ke vi sou kabo.", "max_tokens": MAX_MODEL_LEN - 2,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert '"finish_reason":null' in first
+    server.wait_metric("vllm:num_requests_running", 0)
+    server.wait_metric("kvferry:cross_attention_blocks_in_use", 0)
+    assert "finish_reason=abort" in server.log()
+
+
 def test_the_server_logged_no_traceback(server: ServerProcess) -> None:
     assert "Traceback" not in server.log()
