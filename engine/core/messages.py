@@ -224,6 +224,13 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_waiting_for_encoder: int = 0
     num_step_encoder_tokens: int = 0
     num_cross_blocks: int = 0
+    # KV events of cross-attention blocks, apart from the decoder's (the router predicts
+    # from them which pods hold an encoder input's output).
+    stored_cross_hashes: list[bytes] = msgspec.field(default_factory=list)
+    evicted_cross_hashes: list[bytes] = msgspec.field(default_factory=list)
+    # Encoder-decoder requests with an encoder pod's params: whose cross blocks were found
+    # here already (no pull), and whose params named another input (computed here).
+    num_cross_cache_hits: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True):
