@@ -58,6 +58,10 @@ class EngineCore:
         self.dtype = resolve_dtype(model_cfg.dtype, self.arch, self.device)
         sched_cfg.max_model_len = self.max_model_len
         max_encoder_len = resolve_encoder_budget(sched_cfg, self.arch)
+        if (config.kv_transfer is not None and config.kv_transfer.role == "encoder"
+                and not self.arch.is_encoder_decoder):
+            raise ValueError(f"--role encoder serves the encoder of an encoder-decoder model "
+                             f"(BART, Whisper); {self.arch.architecture} has none")
         self.runner = ModelRunner(
             self.model_dir, self.arch, self.dtype, self.device, cache_cfg,
             max_num_reqs=sched_cfg.max_num_seqs, max_model_len=self.max_model_len,
