@@ -107,7 +107,7 @@ class KVTransferParams:
             remote_block_ids=_block_id_groups(data.get("remote_block_ids")),
             remote_request_id=_optional_str(data, "remote_request_id"),
             kvferry_agent_name=_optional_str(data, "kvferry_agent_name"),
-            kvferry_num_tokens=_optional_count(data, "kvferry_num_tokens"),
+            kvferry_num_tokens=_optional_count(data, "kvferry_num_tokens", minimum=0),
             kvferry_lease_s=_optional_seconds(data, "kvferry_lease_s"),
             kvferry_protocol_version=_protocol_version(data),
             kvferry_prompt_hash=_optional_str(data, "kvferry_prompt_hash"),
@@ -126,6 +126,9 @@ class KVTransferParams:
         for name in _REMOTE_FIELDS:
             if not getattr(self, name):
                 raise ValueError(f"kv_transfer_params.{name} is required with do_remote_prefill")
+        if self.kvferry_num_tokens == 0 and not self.is_cross_pull:
+            raise ValueError("kv_transfer_params.kvferry_num_tokens must be >= 1 (0 only for "
+                             "an encoder pod's hold, with kvferry_encoder_hash)")
         if self.is_cross_pull:
             groups = self.remote_block_ids
             if len(groups) != 2 or groups[0] or not groups[1]:
@@ -218,12 +221,13 @@ def _optional_port(data: Mapping[str, Any], name: str) -> int | None:
     return value
 
 
-def _optional_count(data: Mapping[str, Any], name: str) -> int | None:
+def _optional_count(data: Mapping[str, Any], name: str, minimum: int = 1) -> int | None:
     value = data.get(name)
     if value is None:
         return None
-    if not _is_int(value) or value < 1:
-        raise ValueError(f"kv_transfer_params.{name} must be an integer >= 1, got {value!r}")
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"kv_transfer_params.{name} must be an integer >= {minimum}, got "
+                         f"{value!r}")
     return value
 
 
