@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from kvferry.engine.frontend.outputs import RequestOutput
 from kvferry_testing.encdec_checkpoints import BART_BOS_ID, BART_EOS_ID, make_bart_checkpoint
 from kvferry_testing.serve_helpers import ServerProcess
 
@@ -32,6 +33,8 @@ DECODER_PROMPT = [BART_EOS_ID, BART_BOS_ID]  # BART's decoder start is </s>, the
 # A long prompt: more tokens than the decoder's context, fewer than the encoder's.
 LONG_PROMPT = " ".join(["Kabo ditu zou lo ga"] * 8)
 PROMPTS = ["Kabo ditu zou.", "Lo ga", LONG_PROMPT]
+# prompt -> the offline API's greedy output
+Expected = dict[str, RequestOutput]
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +62,7 @@ def offline(bart_path: Path) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def expected(offline: LLM) -> dict:
-    """prompt -> the offline API's greedy output."""
+def expected(offline: LLM) -> Expected:
     outputs = offline.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                                use_tqdm=False)
     for out in outputs:
@@ -70,7 +72,7 @@ def expected(offline: LLM) -> dict:
     return dict(zip(PROMPTS, outputs))
 
 
-def test_completions_equal_the_offline_api(client: openai.OpenAI, expected: dict) -> None:
+def test_completions_equal_the_offline_api(client: openai.OpenAI, expected: Expected) -> None:
     for prompt, offline_out in expected.items():
         out = client.completions.create(model="bart", prompt=prompt, max_tokens=MAX_TOKENS,
                                         temperature=0)
@@ -85,7 +87,7 @@ def test_completions_equal_the_offline_api(client: openai.OpenAI, expected: dict
 
 
 def test_a_batch_and_token_id_prompts_equal_the_offline_api(client: openai.OpenAI,
-                                                            expected: dict) -> None:
+                                                            expected: Expected) -> None:
     batch = client.completions.create(model="bart", prompt=PROMPTS, max_tokens=MAX_TOKENS,
                                       temperature=0)
     texts = [c.text for c in sorted(batch.choices, key=lambda c: c.index)]
@@ -100,7 +102,7 @@ def test_a_batch_and_token_id_prompts_equal_the_offline_api(client: openai.OpenA
 
 
 def test_a_streamed_completion_equals_the_offline_api(client: openai.OpenAI,
-                                                      expected: dict) -> None:
+                                                      expected: Expected) -> None:
     for prompt, offline_out in expected.items():
         chunks = list(client.completions.create(
             model="bart", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
@@ -122,7 +124,7 @@ def bad_request(call: Callable[[], object]) -> dict:
 
 
 def test_what_bart_cannot_do_is_a_400_that_says_so(client: openai.OpenAI,
-                                                   expected: dict) -> None:
+                                                   expected: Expected) -> None:
     chat = bad_request(lambda: client.chat.completions.create(
         model="bart", messages=[{"role": "user", "content": "hi"}], max_tokens=2))
     assert chat["param"] == "messages"
@@ -156,7 +158,7 @@ def test_what_bart_cannot_do_is_a_400_that_says_so(client: openai.OpenAI,
     assert out.choices[0].text == expected["Lo ga"].outputs[0].text
 
 
-def test_tokenize_gives_the_encoders_ids(server: ServerProcess, expected: dict) -> None:
+def test_tokenize_gives_the_encoders_ids(server: ServerProcess, expected: Expected) -> None:
     offline_out = expected[LONG_PROMPT]
     out = httpx.post(f"{server.url}/tokenize", json={"prompt": LONG_PROMPT}, timeout=60).json()
     assert out["tokens"] == offline_out.encoder_prompt_token_ids

@@ -20,8 +20,10 @@ import numpy as np
 import openai
 import pytest
 import soundfile
+from kvferry.engine.frontend.outputs import CompletionOutput
 from kvferry_testing.encdec_checkpoints import make_whisper_checkpoint, whisper_decoder_prompt
 from kvferry_testing.serve_helpers import ServerProcess
+from openai.types.audio import TranscriptionVerbose
 
 from kvferry import LLM, SamplingParams
 
@@ -91,7 +93,7 @@ def mono_wav(seed: int, seconds: float, rate: int = 16000) -> tuple[bytes, np.nd
 
 
 def offline_transcript(offline: LLM, samples: np.ndarray, rate: int,
-                       decoder_prompt: list[int]):
+                       decoder_prompt: list[int]) -> CompletionOutput:
     """The offline API's greedy output for the audio, with the server's token budget: the
     decoder's context less its prompt."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_MODEL_LEN - len(decoder_prompt))
@@ -104,7 +106,8 @@ def offline_transcript(offline: LLM, samples: np.ndarray, rate: int,
     return completion
 
 
-def verbose(client: openai.OpenAI, data: bytes, name: str = "a.wav", **fields):
+def verbose(client: openai.OpenAI, data: bytes, name: str = "a.wav",
+            **fields: str) -> TranscriptionVerbose:
     return client.audio.transcriptions.create(model="whisper", file=(name, data),
                                               response_format="verbose_json", **fields)
 
