@@ -40,7 +40,7 @@ def check_takes_text(engine: AsyncLLM, endpoint: str) -> None:
     serve it (its prompts have nothing for the encoder)."""
     if takes_audio(engine.input_processor.limits):
         raise bad_request(f"this model's encoder reads audio: {endpoint} cannot serve it; send "
-                          f"the audio to /v1/audio/transcriptions", param="model")
+                          "the audio to /v1/audio/transcriptions", param="model")
 
 
 def check_stop_limits(stop: str | list[str] | None, max_strings: int, max_bytes: int) -> None:
