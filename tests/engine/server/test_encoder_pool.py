@@ -78,6 +78,13 @@ def metric(server: ServerProcess, name: str) -> float:
     return sum(v for k, v in server.metrics().items() if k.split("{")[0] == name)
 
 
+def settled(server: ServerProcess, name: str, predicate: Callable[[float], bool]) -> float:
+    """The metric once `predicate` holds for it (a step's statistics reach /metrics just
+    after its outputs reach the client); fails if it never does."""
+    assert wait_for(lambda: predicate(metric(server, name))), (name, metric(server, name))
+    return metric(server, name)
+
+
 def test_bart_through_the_encoder_pod_equals_colocated(bart_pods) -> None:
     pods = bart_pods
     prompt = "the rain in spain falls mainly on the plain"
@@ -89,10 +96,10 @@ def test_bart_through_the_encoder_pod_equals_colocated(bart_pods) -> None:
     assert params["kvferry_mac"]  # signed with the service's key
     pulled_before = metric(pods["decode"], "kvferry:cross_attention_bytes_pulled_total")
     assert text(complete(pods["decode"], prompt, params)) == expected
-    pulled = metric(pods["decode"], "kvferry:cross_attention_bytes_pulled_total") - pulled_before
-    assert pulled > 0
+    pulled = settled(pods["decode"], "kvferry:cross_attention_bytes_pulled_total",
+                     lambda v: v > pulled_before) - pulled_before
     # The encoder pod ran its encoder; the decode pod did not.
-    assert metric(pods["encoder"], "kvferry:encoder_tokens_total") > 0
+    settled(pods["encoder"], "kvferry:encoder_tokens_total", lambda v: v > 0)
     assert metric(pods["decode"], "kvferry:encoder_tokens_total") == 0
     # The hold ends with the pull: the encoder pod's blocks are all free again.
     assert wait_for(lambda: metric(pods["encoder"], "kvferry:kv_blocks_held_for_transfer") == 0)
@@ -104,7 +111,7 @@ def test_bart_through_the_encoder_pod_equals_colocated(bart_pods) -> None:
     assert text(complete(pods["decode"], prompt, again)) == expected
     assert metric(pods["decode"], "kvferry:cross_attention_bytes_pulled_total") \
         - pulled_before == pulled
-    assert metric(pods["decode"], "kvferry:cross_block_cache_hits_total") == hits + 1
+    settled(pods["decode"], "kvferry:cross_block_cache_hits_total", lambda v: v == hits + 1)
     assert wait_for(lambda: metric(pods["encoder"], "kvferry:kv_blocks_held_for_transfer") == 0)
     assert wait_for(lambda: metric(pods["decode"], "vllm:kv_cache_usage_perc") == 0)
 
@@ -119,7 +126,7 @@ def test_params_of_another_input_are_not_pulled(bart_pods) -> None:
     # Policy recompute: the decode pod runs the encoder itself and answers correctly.
     assert text(complete(pods["decode"], other, params)) == expected
     assert metric(pods["decode"], "kvferry:cross_attention_bytes_pulled_total") == pulled
-    assert metric(pods["decode"], "kvferry:encoder_tokens_total") > encoded
+    settled(pods["decode"], "kvferry:encoder_tokens_total", lambda v: v > encoded)
     # Its hold was let go (not left to expire).
     assert wait_for(lambda: metric(pods["encoder"], "kvferry:kv_blocks_held_for_transfer") == 0)
 
@@ -131,7 +138,7 @@ def test_forged_encoder_params_are_refused(bart_pods) -> None:
     expected = text(complete(pods["colocated"], "a forged hold"))
     # The MAC no longer verifies: nothing is contacted, the prompt is computed here.
     assert text(complete(pods["decode"], "a forged hold", forged)) == expected
-    assert metric(pods["decode"], "kvferry:kv_transfer_failures_total") >= 1
+    settled(pods["decode"], "kvferry:kv_transfer_failures_total", lambda v: v >= 1)
     assert wait_for(lambda: metric(pods["encoder"], "kvferry:kv_blocks_held_for_transfer") == 0,
                     timeout_s=15)
 
@@ -140,6 +147,14 @@ def test_an_encoder_pod_needs_an_encoder_decoder_model(server_factory, tiny_mode
     server = server_factory(tiny_model, "--role", "encoder", wait=False, env=KEYED_ENV)
     assert server.proc.wait(timeout=120) != 0
     assert "--role encoder serves the encoder of an encoder-decoder model" in server.log()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _wav(samples: np.ndarray, rate: int = 16000) -> bytes:
@@ -175,6 +190,41 @@ def test_whisper_through_the_encoder_pod_equals_colocated(server_factory, whispe
     answer = transcribe(pods["decode"], audio, params)
     assert answer.status_code == 200, answer.text
     assert answer.json()["text"] == expected.json()["text"]
-    assert metric(pods["decode"], "kvferry:cross_attention_bytes_pulled_total") > 0
+    settled(pods["decode"], "kvferry:cross_attention_bytes_pulled_total", lambda v: v > 0)
     assert metric(pods["decode"], "kvferry:encoder_tokens_total") == 0
     assert wait_for(lambda: metric(pods["encoder"], "kvferry:kv_blocks_held_for_transfer") == 0)
+
+
+def test_an_unpulled_hold_ends_at_its_lease(bart_pods) -> None:
+    # The decode hop never comes (its pod died after the encode): the encoder pod frees the
+    # cross blocks when the lease (5 s) runs out.
+    pods = bart_pods
+    encode(pods["encoder"], "nobody pulls this one")
+    assert metric(pods["encoder"], "kvferry:kv_blocks_held_for_transfer") > 0
+    expired = metric(pods["encoder"], "kvferry:kv_lease_expirations_total")
+    assert wait_for(lambda: metric(pods["encoder"], "kvferry:kv_blocks_held_for_transfer") == 0,
+                    timeout_s=20)
+    assert metric(pods["encoder"], "kvferry:kv_lease_expirations_total") == expired + 1
+    assert metric(pods["encoder"], "vllm:kv_cache_usage_perc") == 0
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_the_encoder_pod_killed_before_the_pull(server_factory, bart, policy) -> None:
+    pods = _pods(server_factory, bart, policy=policy)
+    prompt = "its encoder pod dies before the pull"
+    expected = text(complete(pods["colocated"], prompt))
+    params = encode(pods["encoder"], prompt)
+    core = pods["encoder"].engine_pid()
+    pods["encoder"].kill_group()
+    # Its engine core (which holds the blocks) is gone too, not merely signalled.
+    assert wait_for(lambda: not _alive(core))
+    response = complete(pods["decode"], prompt, params)
+    if policy == "recompute":
+        assert text(response) == expected
+        settled(pods["decode"], "kvferry:kv_transfer_fallbacks_total", lambda v: v == 1)
+        settled(pods["decode"], "kvferry:encoder_tokens_total", lambda v: v > 0)
+    else:
+        assert response.status_code >= 400 or \
+            response.json()["choices"][0]["finish_reason"] == "error", response.text
+    assert wait_for(lambda: metric(pods["decode"], "vllm:kv_cache_usage_perc") == 0)
+    assert metric(pods["decode"], "kvferry:num_requests_waiting_for_remote_kv") == 0
