@@ -147,6 +147,19 @@ def test_every_response_format_equals_the_offline_api(
     assert segment.avg_logprob < 0
 
 
+def test_a_streamed_transcript_equals_the_offline_api(
+        client: openai.OpenAI, offline: LLM, whisper_path: Path) -> None:
+    data, samples = mono_wav(4, 1.5)
+    expected = offline_transcript(offline, samples, 16000, whisper_decoder_prompt(whisper_path))
+    events = list(client.audio.transcriptions.create(model="whisper", file=("a.wav", data),
+                                                     stream=True))
+    deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+    (done,) = [e for e in events if e.type == "transcript.text.done"]
+    assert events[-1] is done and len(deltas) > 1
+    assert "".join(deltas) == done.text == expected.text.strip()
+    assert done.usage is not None and done.usage.seconds == 1.5
+
+
 def test_a_44_1_khz_stereo_wav_equals_the_offline_api_of_its_mixed_samples(
         client: openai.OpenAI, offline: LLM, whisper_path: Path) -> None:
     rate = 44100
