@@ -24,7 +24,6 @@ from kvferry.engine.config import EngineConfig
 from kvferry.engine.server.chat import chat_text, create_chat_completion
 from kvferry.engine.server.completions import create_completion
 from kvferry.engine.server.errors import (
-    ApiError,
     bad_request,
     error_response,
     install_error_handlers,
