@@ -224,6 +224,11 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_waiting_for_encoder: int = 0
     num_step_encoder_tokens: int = 0
     num_cross_blocks: int = 0
+    # Cross-attention block hashes (kvferry.protocol.block_hash.hash_cross_blocks) the cache
+    # started / stopped holding in this step: KV events apart from the decoder's blocks (a
+    # reader applies `evicted_cross_hashes` first).
+    stored_cross_hashes: list[bytes] = msgspec.field(default_factory=list)
+    evicted_cross_hashes: list[bytes] = msgspec.field(default_factory=list)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True):
