@@ -79,13 +79,14 @@ class PodRecord:
     def is_encoder_decoder(self) -> bool:
         return bool(self.encoder_input)
 
-    def cannot_fit(self, num_chars: int) -> bool:
+    def cannot_fit(self, num_chars: int, max_tokens: int | None = None) -> bool:
         """True when a text of `num_chars` characters (or more) needs more tokens than
-        max_model_len: the pod refuses it before tokenizing it, and so nothing should
-        tokenize it for the pod."""
-        if not self.max_model_len or not self.max_token_chars:
+        `max_tokens` (default max_model_len; an encoder text's is max_encoder_len): the pod
+        refuses it before tokenizing it, and so nothing should tokenize it for the pod."""
+        limit = self.max_model_len if max_tokens is None else max_tokens
+        if not limit or not self.max_token_chars:
             return False
-        return -(-num_chars // self.max_token_chars) > self.max_model_len
+        return -(-num_chars // self.max_token_chars) > limit
 
     def to_json(self) -> str:
         fields = asdict(self)
