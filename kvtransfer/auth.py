@@ -113,6 +113,9 @@ def _signed_fields(params: KVTransferParams) -> tuple[object, ...]:
         [list(group) for group in params.remote_block_ids], params.remote_request_id,
         params.kvferry_agent_name, params.kvferry_num_tokens, lease,
         params.kvferry_protocol_version, params.kvferry_prompt_hash, params.kvferry_expires_at,
+        # Encoder holds only: params without them sign exactly as before the fields existed.
+        *((params.kvferry_encoder_hash, params.kvferry_num_encoder_tokens)
+          if params.kvferry_encoder_hash is not None else ()),
     )
 
 

@@ -13,7 +13,7 @@ FailurePolicy = Literal["recompute", "fail"]
 # NIXL's UCX backend parameter `ucx_error_handling_mode` (see nixl_backend.py for the choice).
 UcxErrorMode = Literal["none", "peer"]
 # The pod's part in disaggregation: a decode pod never holds blocks for another pod.
-TransferRole = Literal["both", "prefill", "decode"]
+TransferRole = Literal["both", "prefill", "decode", "encoder"]
 
 
 def _require(condition: bool, message: str) -> None:
@@ -119,8 +119,8 @@ class KVTransferConfig:
         _require(devices is None or (bool(devices) and not any(c.isspace() for c in devices)),
                  f"ucx_net_devices must be None or a comma-separated list of device names, "
                  f"got {devices!r}")
-        _require(self.role in ("both", "prefill", "decode"),
-                 f"role must be both, prefill or decode, got {self.role!r}")
+        _require(self.role in ("both", "prefill", "decode", "encoder"),
+                 f"role must be both, prefill, decode or encoder, got {self.role!r}")
         _require(self.transfer_key is None or not self.insecure,
                  "transfer_key and insecure exclude each other: a keyed pod signs and checks "
                  "every transfer")

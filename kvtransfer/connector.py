@@ -227,7 +227,10 @@ class KVConnectorScheduler(KVConnectorSchedulerBase):
             if num_external_tokens:
                 self._refused[req_id] = TransferFailure(refusal.reason, refusal.message)
             return
-        if num_external_tokens == 0:
+        # An encoder pod's hold is pulled into the cross table (group 1) when one is given;
+        # without it (or with no tokens to pull otherwise) the request computes here.
+        pulls_cross = params.is_cross_pull and len(block_ids) > 1
+        if num_external_tokens == 0 and not pulls_cross:
             self._keeper.release(req_id)
             return
         try:
@@ -284,6 +287,22 @@ class KVConnectorScheduler(KVConnectorSchedulerBase):
                     f"here, {len(theirs)} sent by the producer"
                 )
         return PullSpec(req_id, params, tuple(local_groups), tuple(remote_groups))
+
+    def is_cross_pull(self, params: KVTransferParams | None) -> bool:
+        return params is not None and params.is_cross_pull
+
+    def check_cross_pull(self, params: KVTransferParams, encoder_key: bytes,
+                         num_encoder_tokens: int) -> str | None:
+        """Why an encoder pod's hold cannot serve this request's encoder input, or None."""
+        if params.kvferry_encoder_hash != encoder_key.hex():
+            self._metrics.count_failure(FailureReason.INVALID_PARAMS)
+            return (f"the cross-attention blocks request {params.remote_request_id} holds on "
+                    f"{params.remote_engine_id} were computed for another encoder input")
+        if params.kvferry_num_encoder_tokens != num_encoder_tokens:
+            self._metrics.count_failure(FailureReason.INVALID_PARAMS)
+            return (f"the held cross-attention blocks cover {params.kvferry_num_encoder_tokens} "
+                    f"encoder positions, this input has {num_encoder_tokens}")
+        return None
 
     # ------------------------------------------------------------------ each step
     def build_connector_meta(self) -> KVConnectorMetadata:
@@ -343,6 +362,8 @@ class KVConnectorScheduler(KVConnectorSchedulerBase):
         num_computed_tokens: int,
         aborted: bool,
         cache_salt: bytes | None = None,
+        encoder_key: bytes | None = None,
+        num_encoder_tokens: int = 0,
     ) -> tuple[bool, dict[str, Any] | None]:
         """A request ended. Returns (keep its blocks, params to return to the client).
 
@@ -359,7 +380,12 @@ class KVConnectorScheduler(KVConnectorSchedulerBase):
         self._keeper.release(req_id)
         self._refused.pop(req_id, None)
         self._untrusted.pop(req_id, None)
-        if params is None or not params.do_remote_decode or aborted or num_computed_tokens < 1:
+        if params is None or not params.do_remote_decode or aborted:
+            return False, None
+        if encoder_key is not None and num_computed_tokens == 0 and len(block_ids) > 1:
+            return True, self._hold_cross_blocks(req_id, block_ids, encoder_key,
+                                                 num_encoder_tokens)
+        if num_computed_tokens < 1:
             return False, None
         if self.config.role == "decode":
             # The front end refuses these; a decode pod's blocks are never held for another.
@@ -372,6 +398,21 @@ class KVConnectorScheduler(KVConnectorSchedulerBase):
         if self.config.transfer_key is not None:
             out = sign_params(out, self.config.transfer_key, time.time())
         return True, out.to_dict()
+
+    def _hold_cross_blocks(
+        self, req_id: str, block_ids: Sequence[Sequence[int]], encoder_key: bytes,
+        num_encoder_tokens: int,
+    ) -> dict[str, Any]:
+        """An encoder's output: its cross-attention blocks (group 1) held for a decode pod,
+        and the params that name them and the input they were computed for."""
+        held: BlockIdGroups = ((), tuple(block_ids[1]))
+        self._leases.hold(req_id, held)
+        out = replace(self._params_for_decode(req_id, held, 0),
+                      kvferry_encoder_hash=encoder_key.hex(),
+                      kvferry_num_encoder_tokens=num_encoder_tokens)
+        if self.config.transfer_key is not None:
+            out = sign_params(out, self.config.transfer_key, time.time())
+        return out.to_dict()
 
     def _hold(
         self, req_id: str, block_ids: Sequence[Sequence[int]], num_computed_tokens: int
@@ -411,7 +452,7 @@ def _same_prompt(prompt_token_ids: Sequence[int], params: KVTransferParams,
 
 
 def start_nixl_connector(
-    config: KVTransferConfig, kv_cache: torch.Tensor, block_size: int
+    config: KVTransferConfig, kv_cache: torch.Tensor | Sequence[torch.Tensor], block_size: int
 ) -> KVConnector | None:
     """Registers the cache with NIXL and opens the side channel (its port is bound now).
 

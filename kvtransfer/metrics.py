@@ -75,6 +75,11 @@ class KVTransferStats:
     sends_freed: int = 0
     # Heartbeats sent by this engine that the producer did not answer.
     heartbeat_failures: int = 0
+    # Of the bytes pulled, those of cross-attention blocks (encoder-decoder models), and
+    # the seconds of the pulls that moved them.
+    cross_bytes_pulled: int = 0
+    cross_pull_seconds_sum: float = 0.0
+    cross_pulls_finished: int = 0
 
 
 class KVTransferMetrics:
@@ -91,6 +96,13 @@ class KVTransferMetrics:
             s.pulls_finished += 1
             s.pull_seconds_sum += seconds
             s.pull_seconds_buckets[bisect_left(PULL_SECONDS_BUCKETS, seconds)] += 1
+
+    def observe_cross_pull(self, num_bytes: int, seconds: float) -> None:
+        with self._lock:
+            s = self._stats
+            s.cross_bytes_pulled += num_bytes
+            s.cross_pull_seconds_sum += seconds
+            s.cross_pulls_finished += 1
 
     def count_descriptors(self, num: int) -> None:
         with self._lock:
@@ -129,4 +141,7 @@ class KVTransferMetrics:
                 blocks_held=s.blocks_held, lease_expirations=s.lease_expirations,
                 sends_pulled=s.sends_pulled, sends_freed=s.sends_freed,
                 heartbeat_failures=s.heartbeat_failures,
+                cross_bytes_pulled=s.cross_bytes_pulled,
+                cross_pull_seconds_sum=s.cross_pull_seconds_sum,
+                cross_pulls_finished=s.cross_pulls_finished,
             )

@@ -12,6 +12,11 @@ Fields kvferry adds are prefixed `kvferry_`; unknown vLLM fields are ignored (ne
 versions add some), unknown `kvferry_` fields are refused (a typo must not pass silently).
 `remote_block_ids` is a flat list for the one group of a decoder-only model (vLLM's form)
 or a list of lists, one per block group (group 1: an encoder-decoder's cross-attention).
+
+An encoder pod (encoder-decoder models) holds only a request's cross-attention blocks: its
+params have an empty group 0, the cross blocks as group 1, `kvferry_num_tokens` 0, and say
+which encoder input they hold (`kvferry_encoder_hash`, the hex of the input's key, and
+`kvferry_num_encoder_tokens`), so a decode pod pulls them only for the same input.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ BlockIdGroups = tuple[tuple[int, ...], ...]
 
 _KVFERRY_FIELDS = frozenset(
     {"kvferry_agent_name", "kvferry_num_tokens", "kvferry_lease_s", "kvferry_protocol_version",
-     "kvferry_prompt_hash", "kvferry_expires_at", "kvferry_mac"}
+     "kvferry_prompt_hash", "kvferry_expires_at", "kvferry_mac", "kvferry_encoder_hash",
+     "kvferry_num_encoder_tokens"}
 )
 _REMOTE_FIELDS = (
     "remote_engine_id", "remote_host", "remote_port", "remote_block_ids", "remote_request_id"
@@ -69,6 +75,15 @@ class KVTransferParams:
     # HMAC-SHA256 (hex) of every other field with the service's transfer key (auth.py): a
     # consumer dials nothing the params name unless it verifies.
     kvferry_mac: str | None = None
+    # An encoder pod's hold: the key (hex) of the encoder input whose cross-attention KV
+    # the blocks of group 1 hold, and its encoder positions.
+    kvferry_encoder_hash: str | None = None
+    kvferry_num_encoder_tokens: int | None = None
+
+    @property
+    def is_cross_pull(self) -> bool:
+        """Params of an encoder pod's hold: pull the cross-attention blocks (group 1)."""
+        return self.do_remote_prefill and self.kvferry_encoder_hash is not None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> KVTransferParams | None:
@@ -92,12 +107,14 @@ class KVTransferParams:
             remote_block_ids=_block_id_groups(data.get("remote_block_ids")),
             remote_request_id=_optional_str(data, "remote_request_id"),
             kvferry_agent_name=_optional_str(data, "kvferry_agent_name"),
-            kvferry_num_tokens=_optional_count(data, "kvferry_num_tokens"),
+            kvferry_num_tokens=_optional_count(data, "kvferry_num_tokens", minimum=0),
             kvferry_lease_s=_optional_seconds(data, "kvferry_lease_s"),
             kvferry_protocol_version=_protocol_version(data),
             kvferry_prompt_hash=_optional_str(data, "kvferry_prompt_hash"),
             kvferry_expires_at=_optional_count(data, "kvferry_expires_at"),
             kvferry_mac=_optional_str(data, "kvferry_mac"),
+            kvferry_encoder_hash=_optional_str(data, "kvferry_encoder_hash"),
+            kvferry_num_encoder_tokens=_optional_count(data, "kvferry_num_encoder_tokens"),
         )
         params.check_remote_prefill()
         return params
@@ -109,6 +126,18 @@ class KVTransferParams:
         for name in _REMOTE_FIELDS:
             if not getattr(self, name):
                 raise ValueError(f"kv_transfer_params.{name} is required with do_remote_prefill")
+        if self.kvferry_num_tokens == 0 and not self.is_cross_pull:
+            raise ValueError("kv_transfer_params.kvferry_num_tokens must be >= 1 (0 only for "
+                             "an encoder pod's hold, with kvferry_encoder_hash)")
+        if self.is_cross_pull:
+            groups = self.remote_block_ids
+            if len(groups) != 2 or groups[0] or not groups[1]:
+                raise ValueError("kv_transfer_params of an encoder hold need remote_block_ids "
+                                 "[[], [cross-attention block ids...]]")
+            if not self.kvferry_num_encoder_tokens:
+                raise ValueError("kv_transfer_params.kvferry_num_encoder_tokens is required "
+                                 "with kvferry_encoder_hash")
+            return
         for i, group in enumerate(self.remote_block_ids):
             if not group:
                 raise ValueError(f"kv_transfer_params.remote_block_ids[{i}] is empty")
@@ -131,6 +160,8 @@ class KVTransferParams:
             "kvferry_prompt_hash": self.kvferry_prompt_hash,
             "kvferry_expires_at": self.kvferry_expires_at,
             "kvferry_mac": self.kvferry_mac,
+            "kvferry_encoder_hash": self.kvferry_encoder_hash,
+            "kvferry_num_encoder_tokens": self.kvferry_num_encoder_tokens,
         }
         return {k: v for k, v in out.items() if v is not None}
 
@@ -190,12 +221,13 @@ def _optional_port(data: Mapping[str, Any], name: str) -> int | None:
     return value
 
 
-def _optional_count(data: Mapping[str, Any], name: str) -> int | None:
+def _optional_count(data: Mapping[str, Any], name: str, minimum: int = 1) -> int | None:
     value = data.get(name)
     if value is None:
         return None
-    if not _is_int(value) or value < 1:
-        raise ValueError(f"kv_transfer_params.{name} must be an integer >= 1, got {value!r}")
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"kv_transfer_params.{name} must be an integer >= {minimum}, got "
+                         f"{value!r}")
     return value
 
 

@@ -242,6 +242,8 @@ class Puller:
         reads = []
         pairs = zip(spec.local_block_ids, spec.remote_block_ids, strict=True)
         for group, (local, remote) in enumerate(pairs):
+            if not local:
+                continue  # nothing of this group (an encoder pod's hold has no group 0)
             local_ids = np.asarray(local, dtype=np.int64)
             remote_ids = np.asarray(remote, dtype=np.int64)
             _check_range(local_ids, self._regions[group].num_blocks, f"group {group} local")
@@ -260,6 +262,10 @@ class Puller:
             self._backend.release(pull.transfer)
             seconds = time.perf_counter() - pull.transfer.started_at
             self.metrics.observe_pull(pull.transfer.num_bytes, seconds)
+            cross_blocks = sum(len(group) for group in pull.spec.local_block_ids[1:])
+            if cross_blocks:
+                block_bytes = self._layouts[1].block_bytes
+                self.metrics.observe_cross_pull(cross_blocks * block_bytes, seconds)
             del self._pulls[req_id]
             self.output.finished_pulls.append(req_id)
         elif state == "ERR":

@@ -58,6 +58,10 @@ class EngineCore:
         self.dtype = resolve_dtype(model_cfg.dtype, self.arch, self.device)
         sched_cfg.max_model_len = self.max_model_len
         max_encoder_len = resolve_encoder_budget(sched_cfg, self.arch)
+        if (config.kv_transfer is not None and config.kv_transfer.role == "encoder"
+                and not self.arch.is_encoder_decoder):
+            raise ValueError(f"--role encoder serves the encoder of an encoder-decoder model "
+                             f"(BART, Whisper); {self.arch.architecture} has none")
         self.runner = ModelRunner(
             self.model_dir, self.arch, self.dtype, self.device, cache_cfg,
             max_num_reqs=sched_cfg.max_num_seqs, max_model_len=self.max_model_len,
@@ -82,7 +86,8 @@ class EngineCore:
         )
         self.kv_connector = (
             None if config.kv_transfer is None
-            else start_kv_connector(config.kv_transfer, self.runner.kv_cache, cache_cfg.block_size)
+            else start_kv_connector(config.kv_transfer, self._transfer_groups(),
+                                    cache_cfg.block_size)
         )
         # Grammars of structured outputs; llguidance loads with the first constraint.
         tokenizer_dir = (resolve_model_source(model_cfg.tokenizer) if model_cfg.tokenizer
@@ -119,6 +124,12 @@ class EngineCore:
             self.max_model_len, num_blocks,
         )
 
+    def _transfer_groups(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The cache tensor of each block group the transfer layer moves: self-attention,
+        and (encoder-decoder models) cross-attention, whose blocks share the one pool."""
+        kv_cache = self.runner.kv_cache
+        return (kv_cache, kv_cache) if self.arch.is_encoder_decoder else kv_cache
+
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queues one sequence; ValueError if it could never be scheduled or is a duplicate."""
@@ -136,8 +147,6 @@ class EngineCore:
                                                                               encoder_key)
         if request.encode_only and encoder is None:
             raise ValueError("encode_only needs an encoder input")
-        if encoder is not None and request.kv_transfer_params is not None:
-            raise ValueError("kv_transfer_params are not taken for encoder-decoder requests")
         self.scheduler.add_request(Request(
             request_id=request.req_id,
             prompt_token_ids=prompt_token_ids,

@@ -113,13 +113,26 @@ class KVConnectorSchedulerBase(ABC):
     def request_finished(
         self, req_id: str, params: TransferParams, block_ids: BlockIdGroups,
         token_ids: Sequence[int], num_computed_tokens: int, aborted: bool,
-        cache_salt: bytes | None = None,
+        cache_salt: bytes | None = None, encoder_key: bytes | None = None,
+        num_encoder_tokens: int = 0,
     ) -> tuple[bool, dict[str, Any] | None]:
         """A request ended. Returns (keep its blocks, parameters to return to the client).
-        `cache_salt` as for get_num_new_matched_tokens.
+        `cache_salt` as for get_num_new_matched_tokens. An encoder-decoder request that ran
+        only its encoder (an encoder pod's) has no self-attention blocks; its cross blocks
+        (group 1) are kept for the input `encoder_key` of `num_encoder_tokens` positions.
 
         Kept blocks are freed when a later `get_finished` lists the request in `free`.
         """
+
+    def is_cross_pull(self, params: TransferParams) -> bool:
+        """Whether the parameters name an encoder pod's cross-attention blocks to pull."""
+        return False
+
+    def check_cross_pull(self, params: TransferParams, encoder_key: bytes,
+                         num_encoder_tokens: int) -> str | None:
+        """Why the cross blocks the parameters name cannot serve this encoder input (they
+        were computed for another), or None."""
+        return "this connector moves no cross-attention blocks"
 
     @property
     @abstractmethod
@@ -167,9 +180,10 @@ class KVConnector:
 
 
 def start_kv_connector(
-    config: Any, kv_cache: torch.Tensor, block_size: int
+    config: Any, kv_cache: torch.Tensor | Sequence[torch.Tensor], block_size: int
 ) -> KVConnector | None:
-    """The connector `config` names, with `kv_cache` registered for transfers; None when
+    """The connector `config` names, with `kv_cache` (one tensor, or one per block group)
+    registered for transfers; None when
     the config allows no transfer (the engine then runs without one).
 
     Only the NIXL connector exists; it is imported here, when an engine runs one.

@@ -99,6 +99,9 @@ class EncoderInput(msgspec.Struct, array_like=True, frozen=True, omit_defaults=T
     num_frames: int = 0
     # The encoder prompt as text, when it was given as text (outputs carry it back).
     text: str | None = None
+    # Audio from an uploaded file: the sha256 of the file's bytes, which keys the input in
+    # place of its features (a router computes the same key without decoding the file).
+    source_digest: bytes = b""
 
     @property
     def is_audio(self) -> bool:
@@ -112,6 +115,8 @@ class EncoderInput(msgspec.Struct, array_like=True, frozen=True, omit_defaults=T
 
     def key(self) -> bytes:
         """The encoder input's hash (kvferry.protocol.block_hash.encoder_input_key)."""
+        if self.source_digest:
+            return encoder_input_key("audio-file", self.source_digest)
         if self.is_audio:
             shape = self.num_mel_bins.to_bytes(4, "little") + self.num_frames.to_bytes(4, "little")
             return encoder_input_key("audio", shape + self.features)
@@ -224,11 +229,13 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_waiting_for_encoder: int = 0
     num_step_encoder_tokens: int = 0
     num_cross_blocks: int = 0
-    # Cross-attention block hashes (kvferry.protocol.block_hash.hash_cross_blocks) the cache
-    # started / stopped holding in this step: KV events apart from the decoder's blocks (a
-    # reader applies `evicted_cross_hashes` first).
+    # KV events of cross-attention blocks, apart from the decoder's (the router predicts
+    # from them which pods hold an encoder input's output).
     stored_cross_hashes: list[bytes] = msgspec.field(default_factory=list)
     evicted_cross_hashes: list[bytes] = msgspec.field(default_factory=list)
+    # Encoder-decoder requests with an encoder pod's params: whose cross blocks were found
+    # here already (no pull), and whose params named another input (computed here).
+    num_cross_cache_hits: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True):

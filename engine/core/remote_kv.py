@@ -54,6 +54,8 @@ class RemoteKV:
         self.kept: dict[str, Request] = {}
         # Requests whose pull failed and were computed here instead (cumulative).
         self.num_fallbacks = 0
+        # Encoder-decoder requests whose encoder pod's cross blocks were cached here already.
+        self.num_cross_cache_hits = 0
 
     @property
     def failure_policy(self) -> FailurePolicy:
@@ -83,8 +85,9 @@ class RemoteKV:
         return num_external
 
     def park(self, request: Request, num_hit_tokens: int, num_external: int) -> None:
-        """Plans the pull of a request whose blocks were just allocated."""
-        block_ids = [self._manager.get_block_ids(request.request_id)]
+        """Plans the pull of a request whose blocks were just allocated (an encoder-decoder
+        request's cross-attention blocks as group 1)."""
+        block_ids = self._manager.get_block_id_groups(request.request_id)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.waiting_for_remote[request.request_id] = (request, num_external)
         self.connector.update_state_after_alloc(
@@ -92,7 +95,9 @@ class RemoteKV:
         )
 
     def compute_locally(self, request: Request) -> None:
-        """A remote-prefill request that pulls nothing: the producer may free its hold."""
+        """A remote-prefill request that pulls nothing: the producer may free its hold (an
+        encoder pod's too: the request's cross blocks are cached here, or its encoder
+        runs here)."""
         params = request.kv_transfer_params
         if self.connector.is_pull(params):
             self.connector.update_state_after_alloc(
@@ -126,6 +131,7 @@ class RemoteKV:
         request.kv_transfer_params = None
         # Only now may other requests find these blocks (see the module invariant).
         self._manager.cache_full_blocks(request, request.num_computed_tokens)
+        self._manager.cache_cross_blocks(request)
         request.status = RequestStatus.WAITING
         return request
 
@@ -142,8 +148,9 @@ class RemoteKV:
         aborted = request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
         keep, params = self.connector.request_finished(
             request.request_id, request.kv_transfer_params,
-            [self._manager.get_block_ids(request.request_id)],
+            self._manager.get_block_id_groups(request.request_id),
             request.all_token_ids, request.num_computed_tokens, aborted, request.cache_salt,
+            request.encoder_key, request.num_encoder_tokens,
         )
         if keep:
             self.kept[request.request_id] = request

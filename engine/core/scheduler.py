@@ -23,6 +23,7 @@ sample (`grammar_req_ids`), and `update_from_output` advances their grammars.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -44,6 +45,8 @@ from kvferry.engine.core.scheduler_output import (
 from kvferry.engine.core.step_budget import StepBudget
 from kvferry.engine.core.stopping import MinTokensGuard, check_stop
 from kvferry.engine.structured_output.manager import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -333,6 +336,12 @@ class Scheduler:
                 # Its pull succeeded: its blocks hold the pulled tokens' KV.
                 hits, num_hit_tokens = [], request.num_computed_tokens
             else:
+                if request.encoder is not None and self._pulls_cross(request):
+                    parked = self._park_for_cross_pull(request)
+                    if parked is None:
+                        break  # no room for its cross blocks yet
+                    if parked:
+                        continue
                 if request.encoder is not None:
                     cross = self._plan_cross_blocks(request, budget)
                     if cross is None:
@@ -380,6 +389,36 @@ class Scheduler:
             budget.take(request, num_new)
             scheduled.append(request)
         return scheduled
+
+    def _pulls_cross(self, request: Request) -> bool:
+        return self.remote is not None and request.kv_transfer_params is not None \
+            and self.remote.connector.is_cross_pull(request.kv_transfer_params)
+
+    def _park_for_cross_pull(self, request: Request) -> bool | None:
+        """An encoder-decoder request whose encoder ran on an encoder pod: allocates its
+        cross table and parks it while the pull fills it. False when it computes here
+        instead (its cross blocks are cached here, or the params name another input: the
+        normal admission then takes the hits or runs the encoder, and frees the encoder
+        pod's hold); None when the pool has no room now."""
+        assert self.remote is not None and request.encoder_key is not None
+        manager = self.kv_cache_manager
+        if manager.get_cached_cross_blocks(request) is not None:
+            self.remote.num_cross_cache_hits += 1
+            return False
+        mismatch = self.remote.connector.check_cross_pull(
+            request.kv_transfer_params, request.encoder_key, request.num_encoder_tokens)
+        if mismatch is not None:
+            logger.warning("request %s: %s; running its encoder here", request.request_id,
+                           mismatch)
+            self.remote.num_fallbacks += 1
+            return False
+        if manager.allocate_slots(request, 0, None, 0, [],
+                                  manager.num_cross_blocks(request)) is None:
+            return None
+        self.waiting.pop()
+        self._record_admission(request, 0)
+        self.remote.park(request, 0, 0)
+        return True
 
     def _plan_cross_blocks(
         self, request: Request, budget: StepBudget
@@ -644,7 +683,11 @@ class Scheduler:
         if not self._serves_encoder:
             return {}
         tables = self.kv_cache_manager.req_to_cross_blocks.values()
+        stored, evicted = self.kv_cache_manager.block_pool.events.drain_cross()
         return {
+            "stored_cross_hashes": stored,
+            "evicted_cross_hashes": evicted,
+            "num_cross_cache_hits": 0 if self.remote is None else self.remote.num_cross_cache_hits,
             "num_waiting_for_encoder": sum(1 for r in self.waiting if r.encoder is not None),
             "num_step_encoder_tokens": self._step_encoder_tokens,
             "num_cross_blocks": len({block.block_id for table in tables for block in table}),

@@ -100,6 +100,13 @@ class InputProcessor:
             EncoderDecoderPrompts(Path(info.model_dir), tokenizer)
             if self.limits.is_encoder_decoder else None)
 
+    @property
+    def is_encoder_pod(self) -> bool:
+        """This engine serves an encoder pool: its requests run only their encoder and hand
+        the cross-attention KV to a decode pod."""
+        config = self.admission.config
+        return config is not None and config.role == "encoder"
+
     def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
         """Tokenizes and validates a prompt; ValueError names the problem and the limit."""
         if isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
@@ -219,8 +226,12 @@ class InputProcessor:
         kv_transfer_params = self._check_kv_transfer_params(kv_transfer_params, params)
         embeds = (None if prompt.prompt_embeds is None
                   else PromptEmbeds.from_tensor(prompt.prompt_embeds))
+        # An encoder pod (--role encoder) runs only encoders, whatever it is asked.
+        encode_only = encode_only or self.is_encoder_pod
         if encode_only and (prompt.encoder is None or params.n != 1):
-            raise ValueError("encode_only needs an encoder-decoder prompt and n=1")
+            raise ValueError("an encoder pod runs only the encoder of an encoder-decoder "
+                             "prompt, for one completion (n=1)" if self.is_encoder_pod else
+                             "encode_only needs an encoder-decoder prompt and n=1")
         if params.n == 1:
             children = [(request_id, params)]
         else:

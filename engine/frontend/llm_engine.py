@@ -7,6 +7,8 @@ same front end (`InputProcessor`, `OutputProcessor`) against a core in its own p
 
 from __future__ import annotations
 
+from typing import Any
+
 import itertools
 import logging
 import time
@@ -90,6 +92,7 @@ class LLMEngine:
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
         encode_only: bool = False,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         """Queues a request (with `params.n` completions); raises ValueError on bad input.
 
@@ -99,7 +102,8 @@ class LLMEngine:
         processed = prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         core_requests = self.input_processor.make_requests(
-            request_id, processed, params, arrival, priority, encode_only=encode_only
+            request_id, processed, params, arrival, priority, kv_transfer_params,
+            encode_only=encode_only,
         )
         self.output_processor.add_request(make_parent_state(
             self.tokenizer, request_id, processed.prompt, processed.prompt_token_ids,

@@ -250,10 +250,11 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         prompt: Annotated[str | None, Form()] = None,
         response_format: Annotated[str, Form()] = "json",
         temperature: Annotated[float, Form()] = 0.0,
+        kv_transfer_params: Annotated[str | None, Form()] = None,
     ) -> Response:
         # An empty field (as an HTML form sends one left blank) is one not given.
         form = TranscriptionForm(model, language or None, prompt, response_format or "json",
-                                 temperature)
+                                 temperature, kv_transfer_params or None)
         try:
             return await create_transcription(state, form, file, request)
         finally:

@@ -171,9 +171,6 @@ def _int_env(environ: Mapping[str, str], name: str, low: int, high: int) -> int 
 
 def check_supported(args: argparse.Namespace) -> str | None:
     """Why this command line cannot run yet, or None."""
-    if args.role == "encoder":
-        return ("--role encoder (an encoder pool that hands cross-attention KV to decode "
-                "pods) is not available yet; serve encoder-decoder models with --role both")
     if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
         return ("tensor and pipeline parallelism are not available yet; "
                 "--tensor-parallel-size and --pipeline-parallel-size must be 1")

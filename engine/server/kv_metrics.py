@@ -32,10 +32,12 @@ class KVTransferCollector(Collector):
         self._stats: KVTransferStats | None = None
         self._num_fallbacks = 0
         self._num_waiting_for_remote_kv = 0
+        self._num_cross_cache_hits = 0
 
     def update(self, stats: KVTransferStats | None, num_fallbacks: int,
-               num_waiting_for_remote_kv: int) -> None:
+               num_waiting_for_remote_kv: int, num_cross_cache_hits: int = 0) -> None:
         if stats is not None:
+            self._num_cross_cache_hits = num_cross_cache_hits
             self._stats = stats
             self._num_fallbacks = num_fallbacks
             self._num_waiting_for_remote_kv = num_waiting_for_remote_kv
@@ -71,6 +73,16 @@ class KVTransferCollector(Collector):
         yield _counter("kvferry:kv_lease_expirations",
                        "Holds ended because no pull or heartbeat came within the lease",
                        labels, values, s.lease_expirations)
+        yield _counter("kvferry:cross_attention_bytes_pulled",
+                       "Of the bytes pulled, those of cross-attention blocks (an encoder "
+                       "pod's output)", labels, values, s.cross_bytes_pulled)
+        yield _counter("kvferry:cross_attention_pull_seconds",
+                       "Seconds of the pulls that moved cross-attention blocks",
+                       labels, values, s.cross_pull_seconds_sum)
+        yield _counter("kvferry:cross_block_cache_hits",
+                       "Requests with an encoder pod's params whose cross-attention blocks "
+                       "were cached here already (nothing pulled)", labels, values,
+                       self._num_cross_cache_hits)
 
     def _refused_by_front_end(self) -> tuple[dict[str, int], int]:
         if self.admission is None:

@@ -159,7 +159,7 @@ class EngineMetrics:
             self.encoder_tokens.inc(stats.num_step_encoder_tokens)
             self.step_encoder_tokens.observe(stats.num_step_encoder_tokens)
         self.kv_transfer.update(stats.kv_transfer, stats.num_kv_transfer_fallbacks,
-                                stats.num_waiting_for_remote_kv)
+                                stats.num_waiting_for_remote_kv, stats.num_cross_cache_hits)
         self._last_prefix_queries = _add_growth(
             self.prefix_cache_queries, stats.prefix_cache_queries, self._last_prefix_queries)
         self._last_prefix_hits = _add_growth(

@@ -13,11 +13,14 @@ api_server.py).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 from fastapi import Request, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -33,6 +36,7 @@ from kvferry.engine.server.serving import (
     ChoiceState,
     RequestRecord,
     abort_on_disconnect,
+    admit_kv_transfer_params,
     check_model,
     check_output_error,
     check_queue_room,
@@ -41,6 +45,7 @@ from kvferry.engine.server.serving import (
 
 if TYPE_CHECKING:
     from kvferry.engine.frontend.async_llm import AsyncLLM
+    from kvferry.kvtransfer.params import KVTransferParams
     from kvferry.engine.server.state import ServerState
 
 AUDIO_PATH = "/v1/audio/transcriptions"
@@ -65,6 +70,9 @@ class TranscriptionForm:
     prompt: str | None = None
     response_format: str = "json"
     temperature: float = 0.0
+    # The hop's transfer params as JSON text (disaggregation: an encoder pod's hold, or a
+    # request to hold), as the router sends them.
+    kv_transfer_params: str | None = None
 
 
 @dataclass
@@ -165,6 +173,9 @@ class TranscriptionJob:
     response_format: str
     inputs: TranscriptionInputs
     record: RequestRecord
+    kv_transfer_params: KVTransferParams | None = None
+    # Returned by the engine with the last output (an encoder pod's hold).
+    returned_params: dict[str, Any] | None = None
 
 
 def require_multipart(request: Request) -> None:
@@ -180,6 +191,10 @@ async def create_transcription(state: ServerState, form: TranscriptionForm, uplo
                                request: Request) -> Response:
     job = await prepare(state, form, upload, request)
     choice = await collect(job, request)
+    if job.returned_params is not None:
+        # An encoder pod's answer: the hold's params for the decode hop, always as JSON.
+        return JSONResponse({"text": choice.text.strip(),
+                             "kv_transfer_params": job.returned_params})
     return render(job.response_format, job.inputs, choice)
 
 
@@ -196,19 +211,40 @@ async def prepare(state: ServerState, form: TranscriptionForm, upload: UploadFil
                           f"model, and this server serves {engine.info.architecture}",
                           param="model")
     transcriber.check_form(form)  # the cheap checks, before the file is read
+    kv_transfer_params = admit_kv_transfer_params(engine, _form_json(form.kv_transfer_params))
     check_queue_room(engine, state.settings.max_num_waiting)
     data = await upload.read()
     inputs = await asyncio.to_thread(transcriber.read_inputs, form, data, engine.tokenizer,
                                      engine.input_processor.limits.max_model_len)
     # The log-mel features too are computed on the worker thread, not in generate().
     try:
-        inputs.processed = await asyncio.to_thread(engine.input_processor.process_prompt,
-                                                   whisper_prompt(inputs))
+        processed = await asyncio.to_thread(engine.input_processor.process_prompt,
+                                            whisper_prompt(inputs))
     except ValueError as exc:
         raise bad_request(str(exc), param="file") from None
+    if processed.encoder is not None:
+        # Keyed by the file's bytes: a router computes the same key from the upload.
+        processed.encoder = msgspec.structs.replace(
+            processed.encoder, source_digest=hashlib.sha256(data).digest())
+    inputs.processed = processed
     record.num_prompt_tokens = len(inputs.decoder_prompt)
     return TranscriptionJob(engine, request.state.request_id, form.response_format, inputs,
-                            record)
+                            record, kv_transfer_params)
+
+
+def _form_json(text: str | None) -> dict[str, Any] | None:
+    """The kv_transfer_params form field: JSON text of an object (400 otherwise)."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise bad_request("kv_transfer_params must be JSON text of an object",
+                          param="kv_transfer_params") from None
+    if not isinstance(value, dict):
+        raise bad_request("kv_transfer_params must be JSON text of an object",
+                          param="kv_transfer_params")
+    return value
 
 
 def whisper_prompt(inputs: TranscriptionInputs) -> dict[str, Any]:
@@ -222,7 +258,8 @@ def whisper_prompt(inputs: TranscriptionInputs) -> dict[str, Any]:
 async def transcribe(job: TranscriptionJob) -> AsyncIterator[RequestOutput]:
     """The engine's outputs of one transcription; leaving early aborts it."""
     prompt = job.inputs.processed or whisper_prompt(job.inputs)
-    generator = job.engine.generate(job.request_id, prompt, job.inputs.params)
+    generator = job.engine.generate(job.request_id, prompt, job.inputs.params,
+                                    kv_transfer_params=job.kv_transfer_params)
     try:
         async for output in generator:
             check_output_error(output)
@@ -243,6 +280,8 @@ async def collect(job: TranscriptionJob, request: Request) -> ChoiceState:
             async for output in transcribe(job):
                 for delta in output.outputs:
                     choice.add(delta)
+                if output.kv_transfer_params is not None:
+                    job.returned_params = output.kv_transfer_params
     except (ValueError, RuntimeError) as exc:
         job.record.error = str(exc)
         raise engine_error(exc) from None

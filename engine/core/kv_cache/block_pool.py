@@ -25,6 +25,8 @@ class KVCacheBlock:
     ref_cnt: int = 0
     # Set while the block holds a full, hashed block of some request's tokens.
     block_hash: BlockHash | None = None
+    # The hash is a cross-attention block's (an encoder input's), not a decoder block's.
+    is_cross: bool = False
     # Links of the free queue (None when not in it, or at an end).
     prev_free: KVCacheBlock | None = None
     next_free: KVCacheBlock | None = None
@@ -132,29 +134,34 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Indexes a full block under its hash (the first block with a hash keeps it)."""
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash,
+                    cross: bool = False) -> None:
+        """Indexes a full block under its hash (the first block with a hash keeps it);
+        `cross`: a cross-attention block (its event goes apart from the decoder's)."""
         if not self.enable_caching or block.block_hash is not None:
             return
         block.block_hash = block_hash
+        block.is_cross = cross
         if self.cached_blocks.setdefault(block_hash, block) is block:
-            self.events.record_stored(block_hash)
+            self.events.record_stored(block_hash, cross)
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
         if self.cached_blocks.get(block.block_hash) is block:
             del self.cached_blocks[block.block_hash]
-            self.events.record_evicted(block.block_hash)
+            self.events.record_evicted(block.block_hash, block.is_cross)
         block.block_hash = None
+        block.is_cross = False
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix; only possible when no block is in use."""
         if self.get_num_free_blocks() != self.num_blocks - 1:
             return False
+        for block_hash, block in self.cached_blocks.items():
+            self.events.record_evicted(block_hash, block.is_cross)
         for block in self.blocks:
             block.block_hash = None
-        for block_hash in self.cached_blocks:
-            self.events.record_evicted(block_hash)
+            block.is_cross = False
         self.cached_blocks.clear()
         return True

@@ -17,22 +17,33 @@ MAX_PENDING_EVENTS = 65536
 
 
 class KVEventLog:
-    """Hashes stored and evicted since the last `drain`."""
+    """Hashes stored and evicted since the last `drain`; cross-attention blocks' hashes
+    (encoder-decoder models) apart from the decoder's."""
 
     def __init__(self) -> None:
         self.stored: list[BlockHash] = []
         self.evicted: list[BlockHash] = []
+        self.cross_stored: list[BlockHash] = []
+        self.cross_evicted: list[BlockHash] = []
 
-    def record_stored(self, block_hash: BlockHash) -> None:
-        if len(self.stored) < MAX_PENDING_EVENTS:
-            self.stored.append(block_hash)
+    def record_stored(self, block_hash: BlockHash, cross: bool = False) -> None:
+        log = self.cross_stored if cross else self.stored
+        if len(log) < MAX_PENDING_EVENTS:
+            log.append(block_hash)
 
-    def record_evicted(self, block_hash: BlockHash) -> None:
-        if len(self.evicted) < MAX_PENDING_EVENTS:
-            self.evicted.append(block_hash)
+    def record_evicted(self, block_hash: BlockHash, cross: bool = False) -> None:
+        log = self.cross_evicted if cross else self.evicted
+        if len(log) < MAX_PENDING_EVENTS:
+            log.append(block_hash)
 
     def drain(self) -> tuple[list[BlockHash], list[BlockHash]]:
-        """(stored, evicted) since the last drain; the log starts empty again."""
+        """(stored, evicted) decoder hashes since the last drain; that log starts empty."""
         stored, evicted = self.stored, self.evicted
         self.stored, self.evicted = [], []
+        return stored, evicted
+
+    def drain_cross(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """(stored, evicted) cross-attention hashes since the last drain."""
+        stored, evicted = self.cross_stored, self.cross_evicted
+        self.cross_stored, self.cross_evicted = [], []
         return stored, evicted

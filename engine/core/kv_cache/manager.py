@@ -63,6 +63,14 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request_id, [])
         return [b.block_id for b in blocks[start:]]
 
+    def get_block_id_groups(self, request_id: str) -> list[list[int]]:
+        """The request's block ids per group: its self-attention table, then (encoder-decoder
+        models) its cross-attention table."""
+        groups = [self.get_block_ids(request_id)]
+        if request_id in self.req_to_cross_blocks:
+            groups.append(self.get_cross_block_ids(request_id))
+        return groups
+
     def get_cross_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_cross_blocks.get(request_id, [])]
 
@@ -90,7 +98,7 @@ class KVCacheManager:
         if not self.enable_caching or not blocks or request.encoder_key is None:
             return
         for block, block_hash in zip(blocks, self._cross_hashes(request)):
-            self.block_pool.cache_block(block, block_hash)
+            self.block_pool.cache_block(block, block_hash, cross=True)
 
     def _cross_hashes(self, request: Request) -> list[bytes]:
         if not request.cross_block_hashes:
