@@ -73,6 +73,13 @@ class ProcessedPrompt:
             return int(self.prompt_embeds.shape[0])
         return len(self.prompt_token_ids)
 
+    @property
+    def num_input_tokens(self) -> int:
+        """The prompt's tokens as a request's usage counts them: the prompt positions, plus
+        for an encoder-decoder model the encoder's (its prompt's tokens, or audio positions),
+        so that a longer input never counts less."""
+        return self.num_tokens + (0 if self.encoder is None else self.encoder.num_positions)
+
 
 class InputProcessor:
     """Turns user requests into `EngineCoreRequest`s the core will accept."""
@@ -184,7 +191,9 @@ class InputProcessor:
         self.limits.check_prompt_embeds(*map(int, prompt.prompt_embeds.shape))
 
     def check_text_fits(self, text: str) -> None:
-        """ValueError when `text` has too many characters to fit max_model_len in tokens.
+        """ValueError when `text` has too many characters to fit its limit in tokens: the
+        maximum model length, or the encoder's maximum for a model whose encoder reads text
+        (BART), as a text prompt is that encoder's input.
 
         Decided from the length alone, before tokenizing: a huge text is refused at once
         instead of holding the server while it is tokenized only to be refused.
@@ -193,11 +202,18 @@ class InputProcessor:
         if longest is None:
             return
         min_tokens = -(-len(text) // longest)
-        if min_tokens > self.limits.max_model_len:
+        limit, name = self._text_limit()
+        if min_tokens > limit:
             raise ValueError(
                 f"the prompt has at least {min_tokens} tokens ({len(text)} characters, and no "
-                f"token covers more than {longest}), more than the maximum model length of "
-                f"{self.limits.max_model_len}")
+                f"token covers more than {longest}), more than {name} of {limit}")
+
+    def _text_limit(self) -> tuple[int, str]:
+        """The most tokens a text prompt may become, and the limit's name in messages."""
+        limits = self.limits
+        if limits.is_encoder_decoder and limits.encoder_input != "audio":
+            return limits.max_encoder_len, "the encoder's maximum"
+        return limits.max_model_len, "the maximum model length"
 
     def make_requests(
         self,

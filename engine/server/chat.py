@@ -41,6 +41,7 @@ from kvferry.engine.server.serving import (
     check_queue_room,
     check_request_fits,
     check_stop_limits,
+    check_takes_text,
     check_text_fits,
     engine_error,
     process_prompt,
@@ -130,6 +131,7 @@ def prepare(state: ServerState, body: ChatCompletionRequest, request: Request) -
     assert engine is not None  # the middleware answers 503 until the engine is loaded
     record = RequestRecord(request.state.request_id, "chat")
     check_model(body.model, state.served_model_name)
+    check_takes_text(engine, "/v1/chat/completions")
     check_stop_limits(body.stop, state.settings.max_stop_strings, state.settings.max_stop_bytes)
     tools = tool_plan(body, state.settings.tool_call_parser)
     constraint = _constraint(body, tools)
@@ -142,7 +144,7 @@ def prepare(state: ServerState, body: ChatCompletionRequest, request: Request) -
     check_request_fits(engine, [prompt], params, max_tokens_param)
     check_queue_room(engine, state.settings.max_num_waiting)
     kv_transfer_params = admit_kv_transfer_params(engine, body.kv_transfer_params)
-    record.num_prompt_tokens = len(prompt.prompt_token_ids)
+    record.num_prompt_tokens = prompt.num_input_tokens
     if state.settings.log_prompts:
         record.prompt_text = text
     return ChatJob(body, engine, random_id("chatcmpl"), state.served_model_name, now(),

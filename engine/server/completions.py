@@ -1,4 +1,13 @@
-"""POST /v1/completions: prompts in, completions out, whole or streamed as SSE chunks."""
+"""POST /v1/completions: prompts in, completions out, whole or streamed as SSE chunks.
+
+An encoder-decoder model whose encoder reads text (BART) takes each prompt as its encoder's
+input; the decoder starts from the model's default decoder prompt ([decoder start, BOS]).
+Its `usage.prompt_tokens` counts both prompts' tokens: the encoder prompt's, which grow with
+what the client sent, and the decoder prompt's, which the model reads too. (vLLM counts only
+the decoder prompt, the same two tokens whatever the input.) `echo` is refused, as the prompt
+does not begin the output; `prompt_logprobs` score the decoder prompt. A model whose encoder
+reads audio (Whisper) is served by /v1/audio/transcriptions only.
+"""
 
 from __future__ import annotations
 
@@ -35,6 +44,7 @@ from kvferry.engine.server.serving import (
     check_queue_room,
     check_request_fits,
     check_stop_limits,
+    check_takes_text,
     check_text_fits,
     engine_error,
     process_prompt,
@@ -99,6 +109,8 @@ async def prepare(state: ServerState, body: CompletionRequest, request: Request)
     assert engine is not None  # the middleware answers 503 until the engine is loaded
     record = RequestRecord(request.state.request_id, "completions")
     check_model(body.model, state.served_model_name)
+    check_takes_text(engine, "/v1/completions")
+    check_encoder_decoder_fields(engine, body)
     check_stop_limits(body.stop, state.settings.max_stop_strings, state.settings.max_stop_bytes)
     constraint = constraint_of(body)
     params = body.to_sampling_params(None if constraint is None else constraint.params)
@@ -117,12 +129,22 @@ async def prepare(state: ServerState, body: CompletionRequest, request: Request)
         raise bad_request("prompt logprobs (prompt_logprobs, or echo with logprobs) need the "
                           "whole prompt computed on this pod: they cannot come with the "
                           "kv_transfer_params of a remote prefill", param="kv_transfer_params")
-    record.num_prompt_tokens = sum(p.num_tokens for p in prompts)
+    record.num_prompt_tokens = sum(p.num_input_tokens for p in prompts)
     if state.settings.log_prompts:
         record.prompt_text = " | ".join(_loggable(p) for p in prompts)
     return CompletionJob(body, engine, random_id("cmpl"), state.served_model_name, now(),
                          prompts, params, record, kv_transfer_params,
                          None if constraint is None else constraint.param)
+
+
+def check_encoder_decoder_fields(engine: AsyncLLM, body: CompletionRequest) -> None:
+    """400 for what an encoder-decoder model cannot do: echo, which puts the prompt before
+    the completion, while such a model's prompt goes to its encoder and its output starts
+    from the decoder's own prompt."""
+    if engine.input_processor.limits.is_encoder_decoder and body.echo:
+        raise bad_request("echo is not possible with an encoder-decoder model: the prompt is "
+                          "the encoder's input, not the start of the completion; send echo "
+                          "false", param="echo")
 
 
 async def _decode_embeds(engine: AsyncLLM, payloads: list[str]) -> list[ProcessedPrompt]:

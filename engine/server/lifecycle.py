@@ -206,7 +206,8 @@ class Lifecycle:
 async def _load_transcriber(engine: AsyncLLM) -> Transcriber | None:
     """The audio front end of a model whose encoder reads audio (Whisper), else None; read
     off the event loop (it imports transformers). ValueError names what the checkpoint lacks."""
-    from kvferry.engine.server.transcriptions import Transcriber, takes_audio
+    from kvferry.engine.server.serving import takes_audio
+    from kvferry.engine.server.transcriptions import Transcriber
 
     if not takes_audio(engine.input_processor.limits):
         return None

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvferry.engine.core.messages import EngineLimits
 from kvferry.engine.frontend.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from kvferry.engine.frontend.input_processor import ProcessedPrompt, PromptType
 from kvferry.engine.frontend.outputs import CompletionOutput, Logprob, RequestOutput
@@ -27,6 +28,19 @@ def check_model(requested: str | None, served_name: str) -> None:
     if requested is not None and requested != served_name:
         raise ApiError(404, f"the model {requested!r} does not exist; this server serves "
                             f"{served_name!r}", param="model", code="model_not_found")
+
+
+def takes_audio(limits: EngineLimits) -> bool:
+    """Whether the engine's model has an encoder that reads audio (Whisper)."""
+    return limits.is_encoder_decoder and limits.encoder_input == "audio"
+
+
+def check_takes_text(engine: AsyncLLM, endpoint: str) -> None:
+    """400 naming `model` when the model's encoder reads audio: a text endpoint cannot
+    serve it (its prompts have nothing for the encoder)."""
+    if takes_audio(engine.input_processor.limits):
+        raise bad_request(f"this model's encoder reads audio: {endpoint} cannot serve it; send "
+                          "the audio to /v1/audio/transcriptions", param="model")
 
 
 def check_stop_limits(stop: str | list[str] | None, max_strings: int, max_bytes: int) -> None:

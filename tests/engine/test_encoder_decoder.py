@@ -205,6 +205,22 @@ def test_bart_prompt_forms_and_refusals(bart_path) -> None:
     _assert_all_blocks_free(llm)
 
 
+def test_bart_text_prompt_is_bounded_by_the_encoder_not_the_decoder(bart_path, hf_bart) -> None:
+    # The decoder's context is 16 tokens; the encoder takes 128 positions, and a text
+    # prompt is the encoder's input.
+    llm = _bart_llm(bart_path, max_model_len=16)
+    text = " ".join(["Kabo ditu zou lo ga"] * 8)
+    ids = llm.get_tokenizer().encode(text)
+    assert 16 < len(ids) <= 128
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    out = llm.generate(text, params, use_tqdm=False)[0]
+    assert out.encoder_prompt_token_ids == ids and out.prompt_token_ids == [2, 0]
+    assert out.outputs[0].token_ids == hf_bart_greedy(hf_bart, ids, [2, 0], 4)
+    with pytest.raises(ValueError, match="more than the encoder's maximum of 128$"):
+        llm.generate("Kabo ditu " * 400, params, use_tqdm=False)
+    _assert_all_blocks_free(llm)
+
+
 def _audio(seed: int, seconds: float, rate: int = 16000) -> np.ndarray:
     rng = np.random.default_rng(seed)
     t = np.arange(int(seconds * rate)) / rate

@@ -16,7 +16,8 @@ import httpx
 import numpy as np
 import pytest
 from kvferry_testing.encdec_checkpoints import make_bart_checkpoint, make_whisper_checkpoint
-from kvferry_testing.keys import KEYED_ENV
+from kvferry_testing.holding_proxy import HoldingProxy
+from kvferry_testing.keys import KEYED_ENV, resigned
 from kvferry_testing.pd_pods import wait_for
 from kvferry_testing.serve_helpers import ServerProcess
 
@@ -37,9 +38,11 @@ def whisper(tmp_path_factory) -> Path:
 
 def _pods(server_factory: Callable[..., ServerProcess], model: Path, *extra: str,
           policy: str = "recompute") -> dict[str, ServerProcess]:
+    """An encoder pod and a decode pod sharing the tests' key (`extra`: more flags of
+    theirs), and a colocated pod to compare with."""
     common = ("--block-size", str(BLOCK_SIZE), "--served-model-name", "m",
-              "--max-model-len", "64", *extra)
-    keyed = (*common, "--kv-lease-seconds", "5", "--kv-failure-policy", policy)
+              "--max-model-len", "64")
+    keyed = (*common, "--kv-lease-seconds", "5", "--kv-failure-policy", policy, *extra)
     return {
         "encoder": server_factory(model, "--role", "encoder", *keyed, env=KEYED_ENV),
         "decode": server_factory(model, "--role", "decode", *keyed, env=KEYED_ENV),
@@ -228,3 +231,37 @@ def test_the_encoder_pod_killed_before_the_pull(server_factory, bart, policy) ->
             response.json()["choices"][0]["finish_reason"] == "error", response.text
     assert wait_for(lambda: metric(pods["decode"], "vllm:kv_cache_usage_perc") == 0)
     assert metric(pods["decode"], "kvferry:num_requests_waiting_for_remote_kv") == 0
+
+
+def test_a_client_cancelling_during_the_pull_frees_both_sides(server_factory, bart) -> None:
+    # A lease far longer than the test: only the decode pod's free can end the hold in time.
+    pods = _pods(server_factory, bart, "--kv-lease-seconds", "60")
+    prompt = "a client gives up while its cross blocks are on the way"
+    params = encode(pods["encoder"], prompt)
+    held = metric(pods["encoder"], "kvferry:kv_blocks_held_for_transfer")
+    assert held == len(params["remote_block_ids"][1])
+    with HoldingProxy(params["remote_port"]) as proxy:
+        slow = resigned(params, remote_host="127.0.0.1", remote_port=proxy.port)
+        body = {"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True,
+                "temperature": 0.0, "kv_transfer_params": slow}
+        with httpx.Client(timeout=TIMEOUT_S) as client, client.stream(
+                "POST", f"{pods['decode'].url}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            assert wait_for(lambda: metric(pods["decode"],
+                                           "kvferry:num_requests_waiting_for_remote_kv") == 1
+                            and proxy.num_accepted >= 1)
+            assert metric(pods["decode"], "vllm:kv_cache_usage_perc") > 0
+        # Hung up while parked: the decode pod frees its cross blocks at once.
+        assert wait_for(lambda: metric(pods["decode"],
+                                       "kvferry:num_requests_waiting_for_remote_kv") == 0
+                        and metric(pods["decode"], "vllm:kv_cache_usage_perc") == 0)
+        assert metric(pods["encoder"], "kvferry:kv_blocks_held_for_transfer") == held
+        proxy.release()
+        # Its free, held so far, reaches the encoder pod long before the lease would end.
+        assert wait_for(lambda: metric(pods["encoder"],
+                                       "kvferry:kv_blocks_held_for_transfer") == 0)
+    assert metric(pods["encoder"], "kvferry:kv_lease_expirations_total") == 0
+    assert metric(pods["decode"], "kvferry:cross_attention_bytes_pulled_total") == 0
+    # Both serve on.
+    expected = text(complete(pods["colocated"], prompt))
+    assert text(complete(pods["decode"], prompt, encode(pods["encoder"], prompt))) == expected

@@ -176,7 +176,9 @@ def test_the_transcript_is_rendered_in_each_response_format(
     inputs = transcriber.read_inputs(form, wav(1.2345), tokenizer, 16)
     hello, world = VOCAB["hello"], VOCAB["world"]
     choice = transcript((" hello", [hello], [-0.5]), (" world", [world], [-1.5]))
-    assert json.loads(render("json", inputs, choice).body) == {"text": "hello world"}
+    usage = {"type": "duration", "seconds": 1.234}
+    assert json.loads(render("json", inputs, choice).body) == {"text": "hello world",
+                                                               "usage": usage}
     text = render("text", inputs, choice)
     assert (text.body, text.media_type) == (b"hello world", "text/plain")
     verbose = json.loads(render("verbose_json", inputs, choice).body)
@@ -185,4 +187,5 @@ def test_the_transcript_is_rendered_in_each_response_format(
         "task": "transcribe", "language": "german", "duration": 1.234, "text": "hello world",
         "segments": [{"id": 0, "seek": 0, "start": 0.0, "end": 1.234, "text": "hello world",
                       "tokens": [hello, world], "temperature": 0.25, "avg_logprob": -1.0,
-                      "compression_ratio": ratio}]}
+                      "compression_ratio": ratio}],
+        "usage": usage}

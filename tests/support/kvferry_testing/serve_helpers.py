@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,6 +66,28 @@ class ServerProcess:
         matches = [v for k, v in self.metrics().items() if k.split("{")[0] == name]
         assert len(matches) == 1, (name, matches)
         return matches[0]
+
+    def wait_metric(self, name: str, value: float, timeout_s: float = 10.0) -> None:
+        """Waits until metric `name` reads `value` (gauges change with the engine's steps,
+        which may come just after the last answer)."""
+        deadline = time.monotonic() + timeout_s
+        while (seen := self.metric(name)) != value:
+            assert time.monotonic() < deadline, f"{name} is {seen}, not {value}"
+            time.sleep(0.05)
+
+    def peak_metric_while(self, name: str, calls: list[Callable[[], object]],
+                          concurrency: int) -> float:
+        """Runs `calls` on `concurrency` threads while reading metric `name` over and over;
+        returns the largest value read. A call's exception is raised here."""
+        with ThreadPoolExecutor(concurrency) as pool:
+            futures = [pool.submit(call) for call in calls]
+            peak = self.metric(name)
+            while not all(f.done() for f in futures):
+                peak = max(peak, self.metric(name))
+                time.sleep(0.01)
+            for future in futures:
+                future.result()
+        return peak
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
