@@ -145,6 +145,24 @@ def test_a_file_the_decode_pod_holds_skips_the_encode_hop(
     assert [metric(pod, "kvferry:encoder_tokens_total") for pod in pods] == encoded
 
 
+def test_a_streamed_transcription_comes_through_the_pools_event_by_event(
+        whisper: tuple[Proc, dict[str, str]]) -> None:
+    """The encode hop answers whole whatever the client asked; the decode pod's events come
+    through the router as it sends them."""
+    proc, _ = whisper
+    router = router_url(proc)
+    data = wav(tone(1.5, 330), 16000)
+    hops = metric(router, "kvferry:router_encode_hops_total")
+    client = openai.OpenAI(base_url=router + "/v1", api_key="none", max_retries=0, timeout=120)
+    events = list(client.audio.transcriptions.create(model="whisper", file=("a.wav", data),
+                                                     language="en", stream=True))
+    assert metric(router, "kvferry:router_encode_hops_total") == hops + 1
+    deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+    (done,) = [e for e in events if e.type == "transcript.text.done"]
+    assert len(deltas) > 1 and "".join(deltas) == done.text
+    assert done.text == transcribe(router, data)
+
+
 # ---------------------------------------------------------------------------- BART
 @pytest.fixture(scope="module")
 def bart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, dict[str, str]]]:
