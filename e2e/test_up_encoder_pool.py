@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import struct
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -60,6 +61,43 @@ def metric(url: str, name: str, **labels: str) -> float:
         if sample.split("{")[0] == name and all(f'{k}="{v}"' in sample for k, v in labels.items()):
             total += float(value)
     return total
+
+
+def up_error(tmp: Path, model: dict, pools: dict) -> str:
+    """The error of a `kvferry up` that must stop before it starts anything."""
+    manifest = {"apiVersion": "kvferry.dev/v1alpha1", "kind": "InferenceService",
+                "metadata": {"name": "kinds"}, "spec": {"model": model, "pools": pools}}
+    path = tmp / "service.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    done = subprocess.run([sys.executable, "-m", "kvferry.cli", "up", "-f", str(path),
+                           "--port", str(free_port())], capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stdout) == (2, ""), done
+    return done.stderr
+
+
+def test_a_checkpoint_of_another_kind_than_the_spec_says_is_refused_before_anything_starts(
+        tmp_path: Path) -> None:
+    """An encoder pool over a model typed decoder-only would run no encoder: `kvferry up`
+    reads the checkpoint's kind and says what to change."""
+    from kvferry.engine.models.source import resolve_model_source
+
+    bart, llama = resolve_model_source("demo-bart"), resolve_model_source("demo")
+    said = up_error(tmp_path, {"source": f"hostpath://{bart}"}, {"decode": {}})
+    assert said == (f"kvferry up: error: spec.model.source hostpath://{bart} is "
+                    "BartForConditionalGeneration, an encoder-decoder model, and "
+                    "spec.model.type says decoder-only: set spec.model.type: encoder-decoder\n")
+    said = up_error(tmp_path, {"source": f"hostpath://{llama}", "type": "encoder-decoder"},
+                    {"encoder": {}, "decode": {}})
+    assert said == (f"kvferry up: error: spec.model.source hostpath://{llama} is "
+                    "LlamaForCausalLM, a decoder-only model, and spec.model.type says "
+                    "encoder-decoder: set spec.model.type: decoder-only and drop "
+                    "spec.pools.encoder\n")
+    # demo-whisper typed decoder-only: the manifest's own rule refuses it.
+    said = up_error(tmp_path, {"source": "demo-whisper"}, {"encoder": {}, "decode": {}})
+    assert "demo-bart and demo-whisper are encoder-decoder models: set spec.model.type: " \
+        "encoder-decoder" in said and "spec.pools.encoder runs the encoder of an " \
+        "encoder-decoder model" in said, said
 
 
 # ---------------------------------------------------------------------------- Whisper

@@ -148,9 +148,9 @@ def check_model_type(spec: InferenceServiceSpec, architecture: str,
     fix = ("set spec.model.type: encoder-decoder" if is_encoder_decoder else
            "set spec.model.type: decoder-only" + (" and drop spec.pools.encoder"
                                                   if "encoder" in spec.pools else ""))
-    raise ModelSourceError(f"spec.model.source {spec.model.source} is a {kind} model "
-                           f"({architecture}), and spec.model.type says {spec.model.type}: "
-                           f"{fix}")
+    raise ModelSourceError(f"spec.model.source {spec.model.source} is {architecture}, "
+                           f"{'an' if is_encoder_decoder else 'a'} {kind} model, and "
+                           f"spec.model.type says {spec.model.type}: {fix}")
 
 
 def given_tokenizer(spec: InferenceServiceSpec) -> str | None:
