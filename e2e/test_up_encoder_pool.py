@@ -71,7 +71,7 @@ def up_error(tmp: Path, model: dict, pools: dict) -> str:
     path.write_text(yaml.safe_dump(manifest))
     done = subprocess.run([sys.executable, "-m", "kvferry.cli", "up", "-f", str(path),
                            "--port", str(free_port())], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, check=False)
     assert (done.returncode, done.stdout) == (2, ""), done
     return done.stderr
 
