@@ -37,11 +37,11 @@ from kvferry.router.flow import (
     Answer,
     Prompt,
     RequestRefused,
-    _dumps,
-    _given_token_ids,
-    _headers,
-    _is_one_prompt,
-    _raise_if_refused,
+    dumps,
+    given_token_ids,
+    hop_headers,
+    is_one_prompt,
+    raise_if_refused,
 )
 from kvferry.router.hops import TRANSPORT_ERRORS, Chooser, HopError, release, send_hop
 from kvferry.router.multipart import FormError, form_boundary, parse_form
@@ -131,13 +131,13 @@ class EncodeFlow:
         router = self.router
         if "prefill" in router.pods.seen_pools:
             router.metrics.prefill_skips.labels("encoder_decoder").inc()
-        is_one = endpoint == COMPLETIONS and _is_one_prompt(endpoint, body)
+        is_one = endpoint == COMPLETIONS and is_one_prompt(endpoint, body)
         key = await self._tokens_cross_hash(endpoint, body) if is_one and self.needs_key() \
             else None
         request = EncoderRequest(
-            endpoint, _headers(request_id), key, None if is_one else "not_one_prompt",
-            encode_body=lambda: _dumps(_encode_json(body)),
-            decode_body=lambda params: _dumps(
+            endpoint, hop_headers(request_id), key, None if is_one else "not_one_prompt",
+            encode_body=lambda: dumps(_encode_json(body)),
+            decode_body=lambda params: dumps(
                 body if params is None else {**body, KV_TRANSFER_FIELD: params}))
         return await self._run(request, request_id)
 
@@ -162,9 +162,9 @@ class EncodeFlow:
         without_params = form.with_field(KV_TRANSFER_FIELD, None)
         request = EncoderRequest(
             AUDIO_PATH, headers, None, None,
-            encode_body=lambda: form.with_field(KV_TRANSFER_FIELD, _dumps(ENCODE_PARAMS)),
+            encode_body=lambda: form.with_field(KV_TRANSFER_FIELD, dumps(ENCODE_PARAMS)),
             decode_body=lambda params: without_params if params is None
-            else form.with_field(KV_TRANSFER_FIELD, _dumps(params)))
+            else form.with_field(KV_TRANSFER_FIELD, dumps(params)))
         if self.encoder_input() != "audio":
             return await self._decode(request, None, None, request_id)
         file = form.part("file")
@@ -242,7 +242,7 @@ class EncodeFlow:
             raise HopError(f"encoder pod {answer.pod.name} failed mid-answer: {exc}") from None
         finally:
             release(answer)
-        _raise_if_refused(answer, raw)
+        raise_if_refused(answer, raw)
         if answer.response.status != 200:
             raise HopError(f"encoder pod {answer.pod.name} answered "
                            f"{answer.response.status}: {raw[:200]!r}",
@@ -280,7 +280,7 @@ class EncodeFlow:
         given, or a text tokenized as the pods tokenize it); None when it cannot be had."""
         if self.encoder_input() != "tokens":
             return None
-        batch = _given_token_ids(endpoint, body)
+        batch = given_token_ids(endpoint, body)
         if batch is not None:
             token_ids: list[int] | None = batch[0]
         else:

@@ -197,7 +197,7 @@ class Router:
             # except by round robin, whose turn was taken already and holds.
             if not isinstance(self._policy("decode"), RoundRobin):
                 decode = None
-        payload = raw if raw is not None else _dumps(body)
+        payload = raw if raw is not None else dumps(body)
         return await self._decode(endpoint, payload, prompt, decode, request_id)
 
     # ------------------------------------------------------------------ choosing pods
@@ -255,7 +255,7 @@ class Router:
         payloads = _given_embeds(endpoint, body)
         if payloads is not None:
             return await self._embeds_prompt(payloads)
-        batch = _given_token_ids(endpoint, body)
+        batch = given_token_ids(endpoint, body)
         if batch is None:  # text or chat messages: the engine's tokenizer says
             token_ids = await self.tokenize(endpoint, body)
             batch = [token_ids] if token_ids is not None else None
@@ -342,7 +342,7 @@ class Router:
             if "prefill" in self.pods.seen_pools:
                 self.metrics.prefill_fallbacks.labels("no_live_prefill_pod").inc()
             return None
-        if not _is_one_prompt(endpoint, body):
+        if not is_one_prompt(endpoint, body):
             self.metrics.prefill_skips.labels("not_one_prompt").inc()
             return None
         if _scores_the_prompt(body):
@@ -376,7 +376,7 @@ class Router:
             prefill_body["max_completion_tokens"] = 1
         answer = await send_hop(self.pod_client, self.pods, self.metrics, "prefill", "prefill",
                                 self.chooser("prefill", prompt, None), endpoint,
-                                _dumps(prefill_body), _headers(request_id),
+                                dumps(prefill_body), hop_headers(request_id),
                                 self._prefill_timeout)
         try:
             raw = await answer.response.read()
@@ -384,7 +384,7 @@ class Router:
             raise HopError(f"prefill pod {answer.pod.name} failed mid-answer: {exc}") from None
         finally:
             release(answer)
-        _raise_if_refused(answer, raw)
+        raise_if_refused(answer, raw)
         self._remember(answer.pod.name, prompt)
         if answer.response.status != 200:
             raise HopError(f"prefill pod {answer.pod.name} answered "
@@ -399,7 +399,7 @@ class Router:
                       first: Choice | None, request_id: str) -> Answer:
         answer = await send_hop(self.pod_client, self.pods, self.metrics, "decode", "decode",
                                 self.chooser("decode", prompt, first), endpoint, payload,
-                                _headers(request_id), self.decode_timeout)
+                                hop_headers(request_id), self.decode_timeout)
         self._remember(answer.pod.name, prompt)
         return await self.relay(answer)
 
@@ -407,7 +407,7 @@ class Router:
         """Plain proxying (one `both` pool, nothing to choose by prompt): the body as sent."""
         answer = await send_hop(self.pod_client, self.pods, self.metrics, "decode", "decode",
                                 self.chooser("decode", Prompt(None, None), None), endpoint, raw,
-                                _headers(request_id), self.decode_timeout)
+                                hop_headers(request_id), self.decode_timeout)
         return await self.relay(answer)
 
     def can_relay_raw(self, raw: bytes) -> bool:
@@ -450,7 +450,7 @@ class Router:
             logger.warning("decode pod %s failed mid-stream: %s", answer.pod.name, exc)
             error = error_body(502, f"the decode pod failed mid-answer: {type(exc).__name__}",
                                code="bad_gateway")
-            yield b"data: " + _dumps(error) + b"\n\ndata: [DONE]\n\n"
+            yield b"data: " + dumps(error) + b"\n\ndata: [DONE]\n\n"
         finally:
             release(answer)
 
@@ -461,7 +461,7 @@ class Router:
                 self.index.stored(pod, hashes)
 
 
-def _raise_if_refused(answer: HopResponse, raw: bytes) -> None:
+def raise_if_refused(answer: HopResponse, raw: bytes) -> None:
     """RequestRefused for a 4xx other than 429: the request is wrong (model, length, types,
     max_tokens ...), and the decode pod would refuse it the same way."""
     status = answer.response.status
@@ -478,7 +478,7 @@ def _scores_the_prompt(body: dict[str, Any]) -> bool:
     return body.get("echo") is True and body.get("logprobs") is not None
 
 
-def _is_one_prompt(endpoint: str, body: dict[str, Any]) -> bool:
+def is_one_prompt(endpoint: str, body: dict[str, Any]) -> bool:
     """True for a request with one prompt (a text, token ids, or a one-element list of
     either; chat messages) and n == 1: the only kind a prefill pod hands over. Batches, n > 1
     and malformed prompts go to the decode pod, which computes (or refuses) them itself."""
@@ -519,7 +519,7 @@ def _decode_embeds(payloads: list[str], max_rows: int | None,
     return decoded
 
 
-def _given_token_ids(endpoint: str, body: dict[str, Any]) -> list[list[int]] | None:
+def given_token_ids(endpoint: str, body: dict[str, Any]) -> list[list[int]] | None:
     """The prompts of a /v1/completions request given as token ids, one list per prompt: a
     list of ids is one prompt, a list of such lists a batch. None for anything else (text,
     chat, a malformed prompt: the engine answers those)."""
@@ -618,9 +618,9 @@ def _num_text_chars(query: dict[str, Any]) -> int:
     return total
 
 
-def _headers(request_id: str) -> dict[str, str]:
+def hop_headers(request_id: str) -> dict[str, str]:
     return {"content-type": "application/json", "x-request-id": request_id}
 
 
-def _dumps(obj: Any) -> bytes:
+def dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
