@@ -103,7 +103,8 @@ def manifest(name: str, model: Path, disaggregated: bool, max_model_len: int) ->
         "apiVersion": "kvferry.dev/v1alpha1", "kind": "InferenceService",
         "metadata": {"name": name},
         "spec": {
-            "model": {"name": "whisper", "source": str(model), "type": "encoder-decoder",
+            "model": {"name": "whisper", "source": f"hostpath://{model}",
+                      "type": "encoder-decoder",
                       "dtype": "float32", "maxModelLen": max_model_len},
             "engine": {"blockSize": 16,
                        "extraArgs": ["--kv-cache-memory-bytes", str(1 << 30)]},
