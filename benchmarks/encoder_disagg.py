@@ -107,7 +107,7 @@ def manifest(name: str, model: Path, disaggregated: bool, max_model_len: int) ->
                       "type": "encoder-decoder",
                       "dtype": "float32", "maxModelLen": max_model_len},
             "engine": {"blockSize": 16,
-                       "extraArgs": ["--kv-cache-memory-bytes", str(1 << 30)]},
+                       "extraArgs": ["--kv-cache-memory-bytes", str(512 << 20)]},
             "pools": pools,
         },
     }

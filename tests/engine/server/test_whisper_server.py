@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import io
 import wave
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -43,11 +43,14 @@ def whisper_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(server_factory: Callable[..., ServerProcess], whisper_path: Path) -> ServerProcess:
-    return server_factory(whisper_path, "--served-model-name", "whisper",
+def server(server_factory: Callable[..., ServerProcess], whisper_path: Path) -> Iterator[ServerProcess]:
+    # Stopped with the module: servers of the whole session would not fit in memory.
+    server = server_factory(whisper_path, "--served-model-name", "whisper",
                           "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE),
                           "--dtype", "float32", "--device", "cpu", "--enable-prefix-caching",
                           "--max-audio-body-bytes", str(AUDIO_BODY_LIMIT))
+    yield server
+    server.kill_group()
 
 
 @pytest.fixture(scope="module")
