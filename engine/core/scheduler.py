@@ -682,7 +682,6 @@ class Scheduler:
         """Encoder-decoder models' gauges (nothing, and no work, for a decoder-only model)."""
         if not self._serves_encoder:
             return {}
-        tables = self.kv_cache_manager.req_to_cross_blocks.values()
         stored, evicted = self.kv_cache_manager.block_pool.events.drain_cross()
         return {
             "stored_cross_hashes": stored,
@@ -690,5 +689,5 @@ class Scheduler:
             "num_cross_cache_hits": 0 if self.remote is None else self.remote.num_cross_cache_hits,
             "num_waiting_for_encoder": sum(1 for r in self.waiting if r.encoder is not None),
             "num_step_encoder_tokens": self._step_encoder_tokens,
-            "num_cross_blocks": len({block.block_id for table in tables for block in table}),
+            "num_cross_blocks": self.kv_cache_manager.num_cross_blocks_in_use,
         }

@@ -27,6 +27,8 @@ class KVCacheBlock:
     block_hash: BlockHash | None = None
     # The hash is a cross-attention block's (an encoder input's), not a decoder block's.
     is_cross: bool = False
+    # Cross-attention tables holding the block (KVCacheManager counts blocks in use by it).
+    cross_holders: int = 0
     # Links of the free queue (None when not in it, or at an end).
     prev_free: KVCacheBlock | None = None
     next_free: KVCacheBlock | None = None

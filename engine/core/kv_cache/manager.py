@@ -46,6 +46,8 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_cross_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Distinct blocks held by cross-attention tables, kept as tables come and go.
+        self.num_cross_blocks_in_use = 0
         # How many leading blocks of each request are already in the prefix-cache index.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
@@ -216,8 +218,11 @@ class KVCacheManager:
         if num_self + num_new_cross + num_evictable > self.num_free_blocks:
             return None
         self.block_pool.touch(cross_hits)
-        self.req_to_cross_blocks[req_id] = (
-            cross_hits or self.block_pool.get_new_blocks(num_new_cross))
+        cross = cross_hits or self.block_pool.get_new_blocks(num_new_cross)
+        self.req_to_cross_blocks[req_id] = cross
+        for block in cross:
+            block.cross_holders += 1
+            self.num_cross_blocks_in_use += block.cross_holders == 1
         self.block_pool.touch(computed)
         table = self.req_to_blocks.setdefault(req_id, blocks)
         table.extend(computed)
@@ -272,6 +277,9 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(blocks))
         # Cross blocks last: they were allocated first, so they are evicted last.
         cross = self.req_to_cross_blocks.pop(request.request_id, [])
+        for block in cross:
+            block.cross_holders -= 1
+            self.num_cross_blocks_in_use -= block.cross_holders == 0
         self.block_pool.free_blocks(reversed(cross))
 
     def reset_prefix_cache(self) -> bool:

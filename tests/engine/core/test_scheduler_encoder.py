@@ -229,6 +229,8 @@ def _check_accounting(scheduler: Scheduler, live: dict[str, Request]) -> None:
             holders[block.block_id] = holders.get(block.block_id, 0) + 1
     assert set(manager.req_to_blocks) | set(manager.req_to_cross_blocks) <= set(live)
     assert manager.num_free_blocks == pool.num_blocks - 1 - len(holders)
+    cross_ids = {b.block_id for t in manager.req_to_cross_blocks.values() for b in t}
+    assert manager.num_cross_blocks_in_use == len(cross_ids)
     for block in pool.blocks[1:]:
         assert block.ref_cnt == holders.get(block.block_id, 0), block
     for req_id, request in live.items():
