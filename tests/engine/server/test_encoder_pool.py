@@ -18,7 +18,7 @@ import pytest
 from kvferry_testing.encdec_checkpoints import make_bart_checkpoint, make_whisper_checkpoint
 from kvferry_testing.holding_proxy import HoldingProxy
 from kvferry_testing.keys import KEYED_ENV, resigned
-from kvferry_testing.pd_pods import wait_for
+from kvferry_testing.pd_pods import kill_pod, wait_for
 from kvferry_testing.serve_helpers import ServerProcess
 
 BLOCK_SIZE = 8
@@ -174,14 +174,6 @@ def test_an_encoder_pod_needs_an_encoder_decoder_model(server_factory, tiny_mode
     assert "--role encoder serves the encoder of an encoder-decoder model" in server.log()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _wav(samples: np.ndarray, rate: int = 16000) -> bytes:
     buffer = io.BytesIO()
     with wave.open(buffer, "wb") as out:
@@ -239,10 +231,8 @@ def test_the_encoder_pod_killed_before_the_pull(pods_of, bart, policy) -> None:
     prompt = "its encoder pod dies before the pull"
     expected = text(complete(pods["colocated"], prompt))
     params = encode(pods["encoder"], prompt)
-    core = pods["encoder"].engine_pid()
-    pods["encoder"].kill_group()
     # Its engine core (which holds the blocks) is gone too, not merely signalled.
-    assert wait_for(lambda: not _alive(core))
+    kill_pod(pods["encoder"])
     response = complete(pods["decode"], prompt, params)
     if policy == "recompute":
         assert text(response) == expected
