@@ -25,6 +25,15 @@ from kvferry.engine.core.scheduler_output import (
 from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.models.encoder_decoder import EncoderBatch
 from kvferry.engine.models.loader import load_model
+from kvferry.engine.runner.async_output import (
+    AsyncModelRunnerOutput,
+    HostLogprobs,
+    PendingTokens,
+    PromptLogprobs,
+    logprobs_lists,
+    pack_for_host,
+    unpack_on_host,
+)
 from kvferry.engine.runner.cpu_malloc import keep_activation_memory
 from kvferry.engine.runner.input_batch import CachedRequestState, InputBatch
 from kvferry.engine.runner.memory_profile import EncoderProfile, measure_gpu_kv_cache_budget
@@ -111,6 +120,8 @@ class ModelRunner:
         self.buffers = InputBuffers.allocate(max_num_batched_tokens, max_num_reqs)
         self.staging = StepStaging(max_num_batched_tokens, max_num_reqs, device)
         self.sampler = Sampler()
+        # Async scheduling: sampled tokens still on the device (async_output.py).
+        self.pending = PendingTokens(self.input_batch, device)
         # Every request the runner knows, in the batch or not (unscheduled this step).
         self.requests: dict[str, CachedRequestState] = {}
         # Requests whose prompt logprobs are still to be computed (prompt_logprobs asked,
@@ -171,11 +182,42 @@ class ModelRunner:
                       grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
         """Runs the step; `grammar_bitmask` (being filled on another thread while the model
         runs) constrains the rows of requests under a grammar."""
+        rows, states, sampler_output, prompt_logprobs = self._execute(
+            scheduler_output, grammar_bitmask, deferred=False)
+        if sampler_output is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[],
+                                     prompt_logprobs=prompt_logprobs)
+        output = self._record_samples(rows, states, sampler_output)
+        output.prompt_logprobs = prompt_logprobs
+        return output
+
+    @torch.inference_mode()
+    def execute_model_async(self, scheduler_output: SchedulerOutput,
+                            grammar_bitmask: GrammarBitmask | None = None
+                            ) -> AsyncModelRunnerOutput:
+        """`execute_model` for async scheduling: the sampled tokens stay on the device (the
+        next step's inputs are filled from there) and `result()` reads them on the host
+        (async_output.py). On a GPU this returns once the step is queued."""
+        rows, states, sampler_output, prompt_logprobs = self._execute(
+            scheduler_output, grammar_bitmask, deferred=True)
+        if sampler_output is None:
+            return AsyncModelRunnerOutput.ready(ModelRunnerOutput(
+                req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs))
+        return self.pending.defer(states, rows, sampler_output, prompt_logprobs)
+
+    def _execute(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None,
+        deferred: bool,
+    ) -> tuple[list[int], list[CachedRequestState], SamplerOutput | None, PromptLogprobs]:
+        """Updates the batch, runs the model and samples: the sampled rows, their states,
+        the sampler's output (None when no row samples) and the prompt logprobs.
+
+        `deferred`: the batch may hold tokens still on the device (async scheduling)."""
         self._update_states(scheduler_output)
         if scheduler_output.scheduled_encoder_inputs:
             self._run_encoder(scheduler_output.scheduled_encoder_inputs)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return [], [], None, {}
         batch = self.input_batch
         req_ids = batch.active_req_ids
         num_scheduled = np.fromiter(
@@ -186,8 +228,11 @@ class ModelRunner:
             batch.block_table.np, self.block_size, self.buffers,
         )
         # One host-to-device copy of the step's index arrays (the block table is the other).
-        # The previous step's copy is over: its sampled tokens were read back.
         staged = self.staging.stage(prepared)
+        if deferred:
+            # A decode's input is the token its previous step sampled, on the device still.
+            self.pending.fill_inputs(staged.input_ids, prepared.input_ids,
+                                     prepared.query_start_loc)
         metadata = self._attention_metadata(prepared, staged)
         embeds_rows = batch.prompt_embeds_rows(len(req_ids))
         if embeds_rows.size:
@@ -199,15 +244,14 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden, prepared, num_scheduled)
         sampled_rows = prepared.sampled_rows.tolist()
         if not sampled_rows:  # every request is mid-prefill
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[],
-                                     prompt_logprobs=prompt_logprobs)
+            return [], [], None, prompt_logprobs
         logits = self.model.compute_logits(hidden[staged.logits_indices])
-        sampling_metadata = self._sampling_metadata(sampled_rows, scheduler_output,
-                                                     grammar_bitmask)
-        sampler_output = self.sampler(logits, sampling_metadata)
-        output = self._record_samples(sampled_rows, sampler_output)
-        output.prompt_logprobs = prompt_logprobs
-        return output
+        states = list(map(batch.states.__getitem__, sampled_rows))
+        if deferred and self.pending and any(s.sampling_params.has_penalties for s in states):
+            # Penalties count the outputs' values on the host: wait for the pending ones.
+            self.pending.resolve_all()
+        sampling_metadata = self._sampling_metadata(states, scheduler_output, grammar_bitmask)
+        return sampled_rows, states, self.sampler(logits, sampling_metadata), prompt_logprobs
 
     def _run_encoder(self, works: list[EncoderWork]) -> None:
         """Runs the encoder over the inputs of the step's new encoder-decoder requests, as
@@ -430,9 +474,8 @@ class ModelRunner:
             )
         return metadata
 
-    def _sampling_metadata(self, rows: list[int], so: SchedulerOutput,
+    def _sampling_metadata(self, states: list[CachedRequestState], so: SchedulerOutput,
                            grammar_bitmask: GrammarBitmask | None) -> SamplingMetadata:
-        states = [self.input_batch.states[row] for row in rows]
         blocked = {
             i: so.blocked_stop_token_ids[s.req_id]
             for i, s in enumerate(states)
@@ -451,34 +494,16 @@ class ModelRunner:
                              else _grammar_rows(states, grammar_bitmask)),
         )
 
-    def _record_samples(self, rows: list[int], output: SamplerOutput) -> ModelRunnerOutput:
+    def _record_samples(self, rows: list[int], states: list[CachedRequestState],
+                        output: SamplerOutput) -> ModelRunnerOutput:
         """Writes each sampled token into its row: it is that request's next input."""
-        batch = self.input_batch
         sampled, logprobs = _copy_to_host(output)
         token_ids = sampled.tolist()
-        states = list(map(batch.states.__getitem__, rows))
         for state, token_id in zip(states, token_ids):
             state.output_token_ids.append(token_id)
-        batch.append_tokens(np.asarray(rows), sampled.numpy())
+        self.input_batch.append_tokens(np.asarray(rows), sampled.numpy())
         req_ids = list(map(_req_id, states))
-        return ModelRunnerOutput(req_ids, token_ids, self._logprobs_lists(rows, logprobs))
-
-    def _logprobs_lists(
-        self, rows: list[int], logprobs: HostLogprobs | None
-    ) -> list[list[tuple[int, float, int]]] | None:
-        if logprobs is None:
-            return None
-        ids, values, ranks = logprobs
-        result = []
-        for i, row in enumerate(rows):
-            wanted = self.input_batch.states[row].sampling_params.logprobs
-            if wanted is None:
-                result.append([])
-                continue
-            entries = [(ids[i][0], values[i][0], ranks[i])]
-            entries += [(ids[i][j], values[i][j], j) for j in range(1, wanted + 1)]
-            result.append(entries)
-        return result
+        return ModelRunnerOutput(req_ids, token_ids, logprobs_lists(states, logprobs))
 
 
 def _grammar_rows(states: list[CachedRequestState],
@@ -525,23 +550,9 @@ def score_positions(model: torch.nn.Module, hidden: torch.Tensor, targets: list[
     return entries
 
 
-# Logprobs on the host: token ids (num_rows, k + 1), their values, the sampled tokens' ranks.
-HostLogprobs = tuple[list[list[int]], list[list[float]], list[int]]
-
-
 def _copy_to_host(output: SamplerOutput) -> tuple[torch.Tensor, HostLogprobs | None]:
-    """The step's one device-to-host copy: the sampled ids, and with logprobs, ids, values
-    and ranks packed beside them as float64 (exact for all: ids and ranks are below 2^53,
-    the values are float32)."""
-    sampled = output.sampled_token_ids  # (num_rows,) int64
-    tensors = output.logprobs
-    if tensors is None:
-        return sampled.cpu(), None
-    k = tensors.token_ids.shape[1]
-    packed = torch.cat([  # (num_rows, 2 + 2 * k) float64
-        sampled[:, None].double(), tensors.token_ids.double(), tensors.logprobs.double(),
-        tensors.ranks[:, None].double(),
-    ], dim=1).cpu()
-    host = (packed[:, 1:1 + k].long().tolist(), packed[:, 1 + k:1 + 2 * k].tolist(),
-            packed[:, 1 + 2 * k].long().tolist())
-    return packed[:, 0].long(), host
+    """The step's one device-to-host copy, which the synchronous loop waits for: the
+    sampled ids, and with logprobs, ids, values and ranks packed beside them
+    (async_output.pack_for_host)."""
+    packed, k = pack_for_host(output)
+    return unpack_on_host(packed.cpu(), k)

@@ -1,0 +1,264 @@
+"""Async scheduling on the runner's side: sampled tokens that stay on the device.
+
+With async scheduling the engine core launches step N+1 before it reads step N's tokens
+(engine/core/in_flight.py). The runner therefore does not copy N's sampled ids to the host
+before N+1 can start; instead:
+
+1. after sampling N, every sampled row gets a placeholder (`PENDING_TOKEN_ID`) in its
+   host state: one more output token and one more entry of the token-id table, so lengths,
+   positions and seeded noise counters are right at once; the sampled ids stay in a device
+   tensor, and their copy to the host starts without waiting (pinned memory and an event
+   on a GPU; on the CPU the tensor is the host copy);
+2. when step N+1 is prepared, the placeholders in its input ids (a decode's input is the
+   token N sampled) are filled on the device from N's sampled tensor: no host round trip
+   before N+1 launches. Every placeholder in a step's inputs must be filled this way; one
+   that is not is a bug and fails the step;
+3. `AsyncModelRunnerOutput.result()` waits for N's copy, writes the tokens over the
+   placeholders (state and table, wherever the row is now) and returns N's
+   `ModelRunnerOutput`.
+
+What needs a token's value on the host falls back to waiting for it: a step in which a row
+with a presence, frequency or repetition penalty samples resolves the pending tokens first
+(the penalties count tokens on the host), and so does a step whose grammar bitmask needs
+them (the engine core waits for step N before it starts N+1's bitmask).
+
+On the CPU the same code runs, the device being the CPU: the placeholders, the fill of the
+inputs from the previous step's tensor and the deferred host writes are what the CPU tests
+exercise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from kvferry.engine.core.scheduler_output import ModelRunnerOutput
+from kvferry.engine.runner.input_batch import CachedRequestState, InputBatch
+
+if TYPE_CHECKING:
+    from kvferry.engine.sample.sampler import SamplerOutput
+
+# The host's stand-in for a token still on the device: never a token id, so an input left
+# unfilled fails loudly (an embedding lookup out of range) instead of computing garbage.
+PENDING_TOKEN_ID = -1
+
+# Prompt logprobs of a step: req_id -> (first position scored, entries).
+PromptLogprobs = dict[str, tuple[int, list[list[tuple[int, float, int]]]]]
+# Logprobs on the host: token ids (num_rows, k + 1), their values, the sampled tokens' ranks.
+HostLogprobs = tuple[list[list[int]], list[list[float]], list[int]]
+
+
+def pack_for_host(output: SamplerOutput) -> tuple[torch.Tensor, int | None]:
+    """The step's sampled ids, and with logprobs, ids, values and ranks packed beside them
+    as float64 (exact for all: ids and ranks are below 2^53, the values are float32), for
+    one device-to-host copy. Returns the tensor and k (None without logprobs)."""
+    sampled = output.sampled_token_ids  # (num_rows,) int64
+    tensors = output.logprobs
+    if tensors is None:
+        return sampled, None
+    k = tensors.token_ids.shape[1]
+    packed = torch.cat([  # (num_rows, 2 + 2 * k) float64
+        sampled[:, None].double(), tensors.token_ids.double(), tensors.logprobs.double(),
+        tensors.ranks[:, None].double(),
+    ], dim=1)
+    return packed, k
+
+
+def unpack_on_host(host: torch.Tensor, k: int | None) -> tuple[torch.Tensor, HostLogprobs | None]:
+    """`pack_for_host`'s tensor, copied to the host, as sampled ids and logprobs lists."""
+    if k is None:
+        return host, None
+    logprobs = (host[:, 1:1 + k].long().tolist(), host[:, 1 + k:1 + 2 * k].tolist(),
+                host[:, 1 + 2 * k].long().tolist())
+    return host[:, 0].long(), logprobs
+
+
+def logprobs_lists(
+    states: list[CachedRequestState], logprobs: HostLogprobs | None
+) -> list[list[tuple[int, float, int]]] | None:
+    """Per sampled row: [(sampled id, logprob, rank), (top-1 id, logprob, 1), ...] as many as
+    its request asked for ([] for a row that asked for none); None without logprobs."""
+    if logprobs is None:
+        return None
+    ids, values, ranks = logprobs
+    result = []
+    for i, state in enumerate(states):
+        wanted = state.sampling_params.logprobs
+        if wanted is None:
+            result.append([])
+            continue
+        entries = [(ids[i][0], values[i][0], ranks[i])]
+        entries += [(ids[i][j], values[i][j], j) for j in range(1, wanted + 1)]
+        result.append(entries)
+    return result
+
+
+@dataclass(eq=False)
+class InFlightSamples:
+    """One step's sampled tokens, on the device until resolved."""
+
+    # The sampled rows' request states, in logits-row order.
+    states: list[CachedRequestState]
+    # Where each row's placeholder is: its index in the state's outputs, and its position
+    # in the sequence (the token-id table's column; max_model_len when the row was full).
+    output_indices: list[int]
+    positions: np.ndarray
+    # (num_rows,) int64 on the device: what the next step's inputs are filled from.
+    sampled: torch.Tensor
+    # The packed ids (and logprobs) being copied to the host, k, and the event that says
+    # the copy is done (None on the CPU, where nothing is copied).
+    host: torch.Tensor
+    num_logprobs: int | None
+    copied: torch.cuda.Event | None
+    prompt_logprobs: PromptLogprobs = field(default_factory=dict)
+    # Set once the tokens are on the host.
+    output: ModelRunnerOutput | None = None
+
+
+class AsyncModelRunnerOutput:
+    """A launched step's output; `result()` waits for its tokens to reach the host."""
+
+    def __init__(self, tokens: PendingTokens | None, step: InFlightSamples | None,
+                 output: ModelRunnerOutput | None = None) -> None:
+        self._tokens = tokens
+        self._step = step
+        self._output = output
+
+    @classmethod
+    def ready(cls, output: ModelRunnerOutput) -> AsyncModelRunnerOutput:
+        """A step that sampled nothing: its output is known at once."""
+        return cls(None, None, output)
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            assert self._tokens is not None and self._step is not None
+            self._output = self._tokens.resolve(self._step)
+        return self._output
+
+
+class PendingTokens:
+    """The runner's sampled tokens whose host copy is not read yet, per step and per request."""
+
+    def __init__(self, batch: InputBatch, device: torch.device) -> None:
+        self.batch = batch
+        self.device = device
+        # Unresolved steps, oldest first (one while the engine core keeps one step in flight).
+        self.steps: list[InFlightSamples] = []
+        # req_id -> the step holding its newest pending token and its row there.
+        self.latest: dict[str, tuple[InFlightSamples, int]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.steps)
+
+    # ------------------------------------------------------------------ after sampling
+    def defer(self, states: list[CachedRequestState], rows: list[int], output: SamplerOutput,
+              prompt_logprobs: PromptLogprobs) -> AsyncModelRunnerOutput:
+        """Gives the sampled rows their placeholders and starts the copy to the host."""
+        batch = self.batch
+        row_array = np.asarray(rows, dtype=np.int64)
+        positions = batch.num_tokens[row_array].copy()
+        output_indices = [len(state.output_token_ids) for state in states]
+        for state in states:
+            state.output_token_ids.append(PENDING_TOKEN_ID)
+        batch.append_tokens(row_array, np.full(len(rows), PENDING_TOKEN_ID, dtype=np.int64))
+        packed, k = pack_for_host(output)
+        host, copied = packed, None
+        if packed.device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        step = InFlightSamples(states, output_indices, positions, output.sampled_token_ids,
+                               host, k, copied, prompt_logprobs)
+        self.steps.append(step)
+        latest = self.latest
+        for index, state in enumerate(states):
+            latest[state.req_id] = (step, index)
+        return AsyncModelRunnerOutput(self, step)
+
+    # ------------------------------------------------------------------ the next step
+    def fill_inputs(self, input_ids: torch.Tensor, host_input_ids: np.ndarray,
+                    query_start_loc: np.ndarray) -> None:
+        """Fills the placeholders among a step's input ids (`input_ids` on the device,
+        `host_input_ids` the host array it was copied from) from the device tensors of the
+        steps that sampled them. RuntimeError when a placeholder has no such source."""
+        missing = np.flatnonzero(host_input_ids == PENDING_TOKEN_ID)
+        sources = self._sources(query_start_loc) if self.latest else []
+        filled = [flat for _, flat, _ in sources]
+        if sum(map(len, filled)) != missing.size or (
+                filled and not np.array_equal(np.sort(np.concatenate(filled)), missing)):
+            raise RuntimeError(
+                f"{missing.size} input ids of the step are tokens not sampled yet, and "
+                f"{sum(map(len, filled))} come from a step in flight: the batch is inconsistent")
+        for step, flat, index in sources:
+            sampled = step.sampled
+            target = torch.from_numpy(flat).to(input_ids.device, non_blocking=True)
+            source = torch.from_numpy(index).to(sampled.device, non_blocking=True)
+            input_ids[target] = sampled[source].to(input_ids.dtype)
+
+    def _sources(self, query_start_loc: np.ndarray
+                 ) -> list[tuple[InFlightSamples, np.ndarray, np.ndarray]]:
+        """Per unresolved step feeding this one: the flat input positions its tokens fill
+        and their rows in its sampled tensor."""
+        batch = self.batch
+        num_reqs = len(query_start_loc) - 1
+        found: dict[int, tuple[InFlightSamples, list[int], list[int]]] = {}
+        for row, entry in enumerate(map(self.latest.get, batch.active_req_ids[:num_reqs])):
+            if entry is None:
+                continue
+            step, index = entry
+            if step.states[index] is not batch.states[row]:
+                continue  # the id of a request that ended, taken by a new one
+            flat = (int(query_start_loc[row]) + int(step.positions[index])
+                    - int(batch.num_computed_tokens[row]))
+            if not query_start_loc[row] <= flat < query_start_loc[row + 1]:
+                continue  # this step does not compute that position
+            _, targets, indices = found.setdefault(id(step), (step, [], []))
+            targets.append(flat)
+            indices.append(index)
+        return [(step, np.asarray(targets, dtype=np.int64), np.asarray(indices, dtype=np.int64))
+                for step, targets, indices in found.values()]
+
+    def resolve_all(self) -> None:
+        """Waits for every pending token and writes it on the host (for what reads token
+        values there: penalties)."""
+        for step in list(self.steps):
+            self.resolve(step)
+
+    # ------------------------------------------------------------------ on the host
+    def resolve(self, step: InFlightSamples) -> ModelRunnerOutput:
+        """Waits for a step's copy, replaces its placeholders, returns its output."""
+        if step.output is not None:
+            return step.output
+        if step.copied is not None:
+            step.copied.synchronize()
+        sampled, logprobs = unpack_on_host(step.host, step.num_logprobs)
+        token_ids = sampled.tolist()
+        self._write_tokens(step, token_ids, sampled.numpy())
+        self.steps.remove(step)
+        latest = self.latest
+        for state in step.states:
+            entry = latest.get(state.req_id)
+            if entry is not None and entry[0] is step:
+                del latest[state.req_id]
+        step.output = ModelRunnerOutput(
+            [state.req_id for state in step.states], token_ids,
+            logprobs_lists(step.states, logprobs), step.prompt_logprobs)
+        return step.output
+
+    def _write_tokens(self, step: InFlightSamples, token_ids: list[int],
+                      tokens: np.ndarray) -> None:
+        """The tokens over their placeholders: in each request's state (a state dropped
+        meanwhile is written harmlessly), and in its table row if it still has one."""
+        batch = self.batch
+        for state, index, token_id in zip(step.states, step.output_indices, token_ids):
+            state.output_token_ids[index] = token_id
+        rows = np.fromiter((batch.req_id_to_index.get(s.req_id, -1) for s in step.states),
+                           np.int64, len(step.states))
+        live = np.fromiter((row >= 0 and batch.states[row] is state
+                            for row, state in zip(rows.tolist(), step.states)),
+                           bool, len(step.states))
+        live &= step.positions < batch.max_model_len
+        batch.token_ids.np[rows[live], step.positions[live]] = tokens[live]
