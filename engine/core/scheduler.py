@@ -623,21 +623,21 @@ class Scheduler:
                                    and request.status is not preempted):
                 continue  # ended after the step was scheduled: its token is dropped
             request.num_output_placeholders -= 1
-            request.append_output_token(token_id)
+            output_ids = request.output_token_ids
+            output_ids.append(token_id)
+            request.all_token_ids.append(token_id)
             output = EngineCoreOutput(req_id, [token_id])
             outputs.append(output)
-            if request.num_output_tokens == 1:
+            if len(output_ids) == 1:
                 output.num_cached_tokens = max(request.num_cached_tokens, 0)
-            if token_id not in request.stop_token_set \
-                    and request.num_output_tokens < request.max_output_tokens:
-                continue
-            status = check_stop(request, token_id)
-            if status is not None:
-                self._end_taking_tokens(request, status)
-                output.finish_reason = status.finish_reason
-                output.stop_reason = request.stop_reason
-                output.kv_transfer_params = self._free_request(request)
-                stopped = True
+            if token_id in request.stop_token_set or len(output_ids) >= request.max_output_tokens:
+                status = check_stop(request, token_id)
+                if status is not None:
+                    self._end_taking_tokens(request, status)
+                    output.finish_reason = status.finish_reason
+                    output.stop_reason = request.stop_reason
+                    output.kv_transfer_params = self._free_request(request)
+                    stopped = True
         return self._finish_update(outputs, stopped, runner_output, requests)
 
     def _end_taking_tokens(self, request: Request, status: RequestStatus) -> None:

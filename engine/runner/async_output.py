@@ -30,6 +30,8 @@ exercise.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter, setitem
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -99,12 +101,13 @@ def logprobs_lists(
 class InFlightSamples:
     """One step's sampled tokens, on the device until resolved."""
 
-    # The sampled rows' request states, in logits-row order.
+    # The sampled rows' request states and ids, in logits-row order.
     states: list[CachedRequestState]
-    # Where each row's placeholder is: its index in the state's outputs, and its position
-    # in the sequence (the token-id table's column; max_model_len when the row was full).
-    output_indices: list[int]
+    req_ids: list[str]
+    # Where each row's placeholder is: its position in the sequence (the token-id table's
+    # column; max_model_len when the row was full) and its index among the outputs.
     positions: np.ndarray
+    output_indices: np.ndarray
     # (num_rows,) int64 on the device: what the next step's inputs are filled from.
     sampled: torch.Tensor
     # The packed ids (and logprobs) being copied to the host, k, and the event that says
@@ -138,16 +141,18 @@ class AsyncModelRunnerOutput:
         return self._output
 
 
+_output_token_ids = attrgetter("output_token_ids")
+_req_id = attrgetter("req_id")
+
+
 class PendingTokens:
-    """The runner's sampled tokens whose host copy is not read yet, per step and per request."""
+    """The runner's steps whose sampled tokens are not on the host yet."""
 
     def __init__(self, batch: InputBatch, device: torch.device) -> None:
         self.batch = batch
         self.device = device
         # Unresolved steps, oldest first (one while the engine core keeps one step in flight).
         self.steps: list[InFlightSamples] = []
-        # req_id -> the step holding its newest pending token and its row there.
-        self.latest: dict[str, tuple[InFlightSamples, int]] = {}
 
     def __bool__(self) -> bool:
         return bool(self.steps)
@@ -159,9 +164,9 @@ class PendingTokens:
         batch = self.batch
         row_array = np.asarray(rows, dtype=np.int64)
         positions = batch.num_tokens[row_array].copy()
-        output_indices = [len(state.output_token_ids) for state in states]
-        for state in states:
-            state.output_token_ids.append(PENDING_TOKEN_ID)
+        output_indices = positions - batch.num_prompt_tokens[row_array]
+        for token_ids in map(_output_token_ids, states):
+            token_ids.append(PENDING_TOKEN_ID)
         batch.append_tokens(row_array, np.full(len(rows), PENDING_TOKEN_ID, dtype=np.int64))
         packed, k = pack_for_host(output)
         host, copied = packed, None
@@ -170,12 +175,9 @@ class PendingTokens:
             host.copy_(packed, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
-        step = InFlightSamples(states, output_indices, positions, output.sampled_token_ids,
-                               host, k, copied, prompt_logprobs)
+        step = InFlightSamples(states, list(map(_req_id, states)), positions, output_indices,
+                               output.sampled_token_ids, host, k, copied, prompt_logprobs)
         self.steps.append(step)
-        latest = self.latest
-        for index, state in enumerate(states):
-            latest[state.req_id] = (step, index)
         return AsyncModelRunnerOutput(self, step)
 
     # ------------------------------------------------------------------ the next step
@@ -185,41 +187,50 @@ class PendingTokens:
         `host_input_ids` the host array it was copied from) from the device tensors of the
         steps that sampled them. RuntimeError when a placeholder has no such source."""
         missing = np.flatnonzero(host_input_ids == PENDING_TOKEN_ID)
-        sources = self._sources(query_start_loc) if self.latest else []
-        filled = [flat for _, flat, _ in sources]
-        if sum(map(len, filled)) != missing.size or (
+        sources = [self._sources(step, query_start_loc) for step in self.steps]
+        filled = [flat for flat, _ in sources if flat.size]
+        num_filled = sum(map(len, filled))
+        if num_filled != missing.size or (
                 filled and not np.array_equal(np.sort(np.concatenate(filled)), missing)):
             raise RuntimeError(
                 f"{missing.size} input ids of the step are tokens not sampled yet, and "
-                f"{sum(map(len, filled))} come from a step in flight: the batch is inconsistent")
-        for step, flat, index in sources:
+                f"{num_filled} come from a step in flight: the batch is inconsistent")
+        for step, (flat, index) in zip(self.steps, sources):
+            if not flat.size:
+                continue
             sampled = step.sampled
             target = torch.from_numpy(flat).to(input_ids.device, non_blocking=True)
             source = torch.from_numpy(index).to(sampled.device, non_blocking=True)
             input_ids[target] = sampled[source].to(input_ids.dtype)
 
-    def _sources(self, query_start_loc: np.ndarray
-                 ) -> list[tuple[InFlightSamples, np.ndarray, np.ndarray]]:
-        """Per unresolved step feeding this one: the flat input positions its tokens fill
-        and their rows in its sampled tensor."""
+    def _sources(self, step: InFlightSamples,
+                 query_start_loc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The flat input positions this step computes that hold one of `step`'s tokens,
+        and those tokens' rows in its sampled tensor."""
         batch = self.batch
         num_reqs = len(query_start_loc) - 1
-        found: dict[int, tuple[InFlightSamples, list[int], list[int]]] = {}
-        for row, entry in enumerate(map(self.latest.get, batch.active_req_ids[:num_reqs])):
-            if entry is None:
-                continue
-            step, index = entry
-            if step.states[index] is not batch.states[row]:
-                continue  # the id of a request that ended, taken by a new one
-            flat = (int(query_start_loc[row]) + int(step.positions[index])
-                    - int(batch.num_computed_tokens[row]))
-            if not query_start_loc[row] <= flat < query_start_loc[row + 1]:
-                continue  # this step does not compute that position
-            _, targets, indices = found.setdefault(id(step), (step, [], []))
-            targets.append(flat)
-            indices.append(index)
-        return [(step, np.asarray(targets, dtype=np.int64), np.asarray(indices, dtype=np.int64))
-                for step, targets, indices in found.values()]
+        rows = self._rows_now(step)
+        live = (rows >= 0) & (rows < num_reqs)
+        if not live.all():
+            rows = np.where(live, rows, 0)
+        starts, ends = query_start_loc[rows], query_start_loc[rows + 1]
+        flat = starts + step.positions - batch.num_computed_tokens[rows]
+        # Positions this step does not compute were fed by an earlier step already.
+        chosen = np.flatnonzero(live & (flat >= starts) & (flat < ends))
+        return flat[chosen].astype(np.int64), chosen
+
+    def _rows_now(self, step: InFlightSamples) -> np.ndarray:
+        """(num_rows,) each sampled request's row in the batch now; -1 where it has none,
+        or where its id now belongs to another request (it ended, and the id was reused)."""
+        batch = self.batch
+        num = len(step.req_ids)
+        rows = np.fromiter(map(batch.req_id_to_index.get, step.req_ids, repeat(-1, num)),
+                           np.int64, num)
+        states = batch.states
+        same = [row < 0 or states[row] is state for row, state in zip(rows.tolist(), step.states)]
+        if not all(same):
+            rows[~np.asarray(same)] = -1
+        return rows
 
     def resolve_all(self) -> None:
         """Waits for every pending token and writes it on the host (for what reads token
@@ -238,27 +249,18 @@ class PendingTokens:
         token_ids = sampled.tolist()
         self._write_tokens(step, token_ids, sampled.numpy())
         self.steps.remove(step)
-        latest = self.latest
-        for state in step.states:
-            entry = latest.get(state.req_id)
-            if entry is not None and entry[0] is step:
-                del latest[state.req_id]
-        step.output = ModelRunnerOutput(
-            [state.req_id for state in step.states], token_ids,
-            logprobs_lists(step.states, logprobs), step.prompt_logprobs)
+        step.output = ModelRunnerOutput(step.req_ids, token_ids,
+                                        logprobs_lists(step.states, logprobs),
+                                        step.prompt_logprobs)
         return step.output
 
     def _write_tokens(self, step: InFlightSamples, token_ids: list[int],
                       tokens: np.ndarray) -> None:
         """The tokens over their placeholders: in each request's state (a state dropped
         meanwhile is written harmlessly), and in its table row if it still has one."""
+        list(map(setitem, map(_output_token_ids, step.states), step.output_indices.tolist(),
+                 token_ids))
         batch = self.batch
-        for state, index, token_id in zip(step.states, step.output_indices, token_ids):
-            state.output_token_ids[index] = token_id
-        rows = np.fromiter((batch.req_id_to_index.get(s.req_id, -1) for s in step.states),
-                           np.int64, len(step.states))
-        live = np.fromiter((row >= 0 and batch.states[row] is state
-                            for row, state in zip(rows.tolist(), step.states)),
-                           bool, len(step.states))
-        live &= step.positions < batch.max_model_len
+        rows = self._rows_now(step)
+        live = (rows >= 0) & (step.positions < batch.max_model_len)
         batch.token_ids.np[rows[live], step.positions[live]] = tokens[live]

@@ -80,7 +80,7 @@ def assert_idle(engine: LLMEngine) -> None:
     assert engine.step() == []  # delivers the last finished ids to the runner
     assert not engine.has_unfinished_requests()
     assert engine.runner.num_tracked_requests == 0
-    assert not engine.runner.pending and not engine.runner.pending.latest
+    assert not engine.runner.pending
     in_flight = engine.scheduler.in_flight
     assert in_flight is None or len(in_flight) == 0
 
@@ -372,8 +372,10 @@ def test_an_input_no_step_in_flight_can_fill_fails_its_step_clearly(
     engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, greedy(6, ignore_eos=True))
     engine.add_request("s", {"prompt_token_ids": [8, 9]}, greedy(6, ignore_eos=True))
     engine.step()
-    # Lose track of the step in flight: the next decode's input cannot be filled.
-    engine.runner.pending.latest.clear()
+    # Lose track of where the step in flight's tokens go: the next decodes' inputs are
+    # tokens no step in flight fills.
+    [step] = engine.runner.pending.steps
+    step.positions = step.positions + 1
     with caplog.at_level("ERROR"):
         outputs = {o.request_id: o for o in engine.step()}
     assert "come from a step in flight: the batch is inconsistent" in caplog.text

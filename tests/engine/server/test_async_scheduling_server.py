@@ -1,0 +1,122 @@
+"""`kvferry serve --async-scheduling` answers the official `openai` client as a server
+without it does: the same completions and chats, streamed and not, one at a time and
+concurrently, and its KV cache is empty afterwards."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from kvferry_testing.serve_helpers import API_KEY, ServerProcess
+
+# Every token decodes to one word: special tokens (EOS, <unk>) stay in the text.
+RAW = {"ignore_eos": True, "skip_special_tokens": False}
+PROMPTS = ["w5 w6 w7", "w10 w11 w12 w13 w14", "w100", "w200 w3 w3 w3 w9", "w42 w43"]
+
+
+@pytest.fixture(scope="module")
+def async_server(server_factory: Callable[..., ServerProcess], tiny_model: Path) -> ServerProcess:
+    return server_factory(tiny_model, "--served-model-name", "tiny", "--async-scheduling",
+                          api_key=API_KEY)
+
+
+def client_of(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
+                         timeout=60)
+
+
+@pytest.fixture(scope="module")
+def clients(live_server: ServerProcess, async_server: ServerProcess) -> list[openai.OpenAI]:
+    """A server without async scheduling, then one with it."""
+    return [client_of(live_server), client_of(async_server)]
+
+
+def completion(client: openai.OpenAI, **kwargs: Any) -> list[tuple]:
+    out = client.completions.create(model="tiny", **kwargs)
+    choices = sorted(out.choices, key=lambda c: c.index)
+    return [(c.index, c.text, c.finish_reason, c.model_extra.get("stop_reason"),
+             None if c.logprobs is None else (c.logprobs.tokens, c.logprobs.top_logprobs))
+            for c in choices] + [(out.usage.prompt_tokens, out.usage.completion_tokens)]
+
+
+def streamed_completion(client: openai.OpenAI, **kwargs: Any) -> tuple:
+    chunks = list(client.completions.create(model="tiny", stream=True,
+                                            stream_options={"include_usage": True}, **kwargs))
+    texts: dict[int, str] = {}
+    reasons: dict[int, str | None] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+    usage = chunks[-1].usage
+    return texts, reasons, (usage.prompt_tokens, usage.completion_tokens)
+
+
+def test_completions_equal_a_server_without_async_scheduling(
+    clients: list[openai.OpenAI],
+) -> None:
+    cases = [
+        dict(prompt=PROMPTS, max_tokens=12, temperature=0),
+        dict(prompt="w5 w6 w7", max_tokens=10, n=2, temperature=1.0, seed=3, extra_body=RAW),
+        dict(prompt="w10 w11", max_tokens=6, temperature=0, logprobs=3, extra_body=RAW),
+        dict(prompt="w200 w3", max_tokens=1, temperature=0, extra_body=RAW),
+    ]
+    for case in cases:
+        expected, actual = (completion(c, **case) for c in clients)
+        assert actual == expected, case
+
+
+def test_stop_strings_streamed_and_not_equal_a_server_without_async_scheduling(
+    clients: list[openai.OpenAI],
+) -> None:
+    free = clients[0].completions.create(model="tiny", prompt="w5 w6 w7", max_tokens=10,
+                                         temperature=0, extra_body=RAW)
+    stop_word = free.choices[0].text.split()[3]
+    case = dict(prompt="w5 w6 w7", max_tokens=10, temperature=0, stop=[stop_word],
+                extra_body=RAW)
+    expected, actual = (completion(c, **case) for c in clients)
+    assert actual == expected and expected[0][2] == "stop"
+    expected, actual = (streamed_completion(c, **case) for c in clients)
+    assert actual == expected and expected[1] == {0: "stop"}
+
+
+def test_streamed_completions_and_chats_equal_a_server_without_async_scheduling(
+    clients: list[openai.OpenAI],
+) -> None:
+    case = dict(prompt=PROMPTS[:3], max_tokens=9, temperature=0.8, seed=7, extra_body=RAW)
+    expected, actual = (streamed_completion(c, **case) for c in clients)
+    assert actual == expected and len(expected[0]) == 3
+    messages = [{"role": "system", "content": "w3 w4"}, {"role": "user", "content": "w5 w6"}]
+
+    def chat(client: openai.OpenAI) -> tuple:
+        chunks = list(client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=7, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body=RAW))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=7,
+                                               temperature=0, extra_body=RAW)
+        return text, whole.choices[0].message.content, chunks[-1].usage.completion_tokens
+
+    expected, actual = (chat(c) for c in clients)
+    assert actual == expected and expected[0] == expected[1] and expected[2] == 7
+
+
+def test_concurrent_requests_equal_a_server_without_async_scheduling(
+    clients: list[openai.OpenAI], async_server: ServerProcess,
+) -> None:
+    # Greedy and seeded requests in flight together share steps; their answers depend on
+    # nothing else in the batch.
+    cases = [dict(prompt=p, max_tokens=8 + i, temperature=0 if i % 2 else 1.0, seed=i,
+                  extra_body=RAW) for i, p in enumerate(PROMPTS * 2)]
+    results = []
+    for client in clients:
+        with ThreadPoolExecutor(len(cases)) as pool:
+            results.append(list(pool.map(lambda case: completion(client, **case), cases)))
+    assert results[1] == results[0]
+    async_server.wait_metric("vllm:kv_cache_usage_perc", 0.0)
+    async_server.wait_metric("vllm:num_requests_running", 0.0)
