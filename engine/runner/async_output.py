@@ -198,10 +198,9 @@ class PendingTokens:
         for step, (flat, index) in zip(self.steps, sources):
             if not flat.size:
                 continue
-            sampled = step.sampled
-            target = torch.from_numpy(flat).to(input_ids.device, non_blocking=True)
-            source = torch.from_numpy(index).to(sampled.device, non_blocking=True)
-            input_ids[target] = sampled[source].to(input_ids.dtype)
+            # (2, n): targets in the step's inputs, sources in the sampled tensor.
+            indices = _to_device(np.stack([flat, index]), input_ids.device)
+            input_ids[indices[0]] = step.sampled[indices[1]].to(input_ids.dtype)
 
     def _sources(self, step: InFlightSamples,
                  query_start_loc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -264,3 +263,12 @@ class PendingTokens:
         rows = self._rows_now(step)
         live = (rows >= 0) & (step.positions < batch.max_model_len)
         batch.token_ids.np[rows[live], step.positions[live]] = tokens[live]
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on the device without waiting for the stream: on a GPU through
+    pinned memory (a copy from pageable memory would wait for the step in flight)."""
+    tensor = torch.from_numpy(array)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -127,8 +127,10 @@ class ModelRunner:
         # Requests whose prompt logprobs are still to be computed (prompt_logprobs asked,
         # prefill not done): the only ones a step scores its prompt positions for.
         self._scoring_prompts: set[str] = set()
-        # Pinned host rows of prompt embeddings for one step's copy (a GPU; made on first use).
+        # Pinned host rows of prompt embeddings for one step's copy (a GPU; made on first
+        # use), and the event after the last copy from them (refilled only once it is done).
         self._embeds_staging: torch.Tensor | None = None
+        self._embeds_copied: torch.cuda.Event | None = None
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         # Blocks outermost, so one block is one contiguous region across all layers.
@@ -326,10 +328,14 @@ class ModelRunner:
                                    self.arch.hidden_size), dtype=self.dtype,
                                   pin_memory=torch.cuda.is_available())
             self._embeds_staging = staging
+        if self._embeds_copied is not None:
+            self._embeds_copied.synchronize()  # async scheduling: a step may be queued still
         torch.cat(pieces, out=staging[:num_rows])
-        # Non-blocking from pinned memory, like the index arrays (step_staging.py): the next
-        # step reuses the buffer only after this one's sampled tokens were read back.
-        return staging[:num_rows].to(self.device, non_blocking=True)
+        # Non-blocking from pinned memory, like the index arrays (step_staging.py).
+        on_device = staging[:num_rows].to(self.device, non_blocking=True)
+        self._embeds_copied = torch.cuda.Event()
+        self._embeds_copied.record()
+        return on_device
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, prepared: PreparedInputs, num_scheduled: np.ndarray
