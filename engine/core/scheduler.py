@@ -263,10 +263,10 @@ class Scheduler:
         self._step_encoder_tokens = sum(r.num_encoder_tokens for r in budget.encoder_requests)
         if self.in_flight is not None:
             self.in_flight.add(output, budget)
+            advance_with_placeholders(budget)
+            return output
         for request, num_tokens in zip(budget.requests.values(), budget.scheduled.values()):
             request.num_computed_tokens += num_tokens
-        if self.in_flight is not None:
-            add_output_placeholders(budget.requests.values())
         return output
 
     def _schedule_running(self, budget: StepBudget) -> tuple[list[Request], list[Request]]:
@@ -797,9 +797,12 @@ def num_known_tokens(request: Request) -> int:
     return len(request.all_token_ids) + pending
 
 
-def add_output_placeholders(requests: Iterable[Request]) -> None:
-    """Async scheduling, after a schedule: one placeholder for every scheduled request
-    whose tokens reach the end of what it knows (the step samples its next token)."""
-    for request in requests:
-        if request.num_computed_tokens >= len(request.all_token_ids) + request.num_output_placeholders:
+def advance_with_placeholders(budget: StepBudget) -> None:
+    """Async scheduling, after a schedule: advances each scheduled request's
+    `num_computed_tokens`, and gives one more output placeholder to those whose tokens
+    then reach the end of what they know (the step samples their next token)."""
+    for request, num_tokens in zip(budget.requests.values(), budget.scheduled.values()):
+        computed = request.num_computed_tokens + num_tokens
+        request.num_computed_tokens = computed
+        if computed >= len(request.all_token_ids) + request.num_output_placeholders:
             request.num_output_placeholders += 1

@@ -165,8 +165,8 @@ class PendingTokens:
         row_array = np.asarray(rows, dtype=np.int64)
         positions = batch.num_tokens[row_array].copy()
         output_indices = positions - batch.num_prompt_tokens[row_array]
-        for token_ids in map(_output_token_ids, states):
-            token_ids.append(PENDING_TOKEN_ID)
+        # map() with C-level callables: this runs every step over every sampled row.
+        list(map(list.append, map(_output_token_ids, states), repeat(PENDING_TOKEN_ID)))
         batch.append_tokens(row_array, np.full(len(rows), PENDING_TOKEN_ID, dtype=np.int64))
         packed, k = pack_for_host(output)
         host, copied = packed, None
@@ -225,10 +225,9 @@ class PendingTokens:
         num = len(step.req_ids)
         rows = np.fromiter(map(batch.req_id_to_index.get, step.req_ids, repeat(-1, num)),
                            np.int64, num)
-        states = batch.states
-        same = [row < 0 or states[row] is state for row, state in zip(rows.tolist(), step.states)]
-        if not all(same):
-            rows[~np.asarray(same)] = -1
+        # Identity by id(): the state objects of the step are alive (it holds them).
+        now = np.fromiter(map(id, map(batch.states.__getitem__, rows.tolist())), np.uint64, num)
+        rows[now != np.fromiter(map(id, step.states), np.uint64, num)] = -1
         return rows
 
     def resolve_all(self) -> None:
