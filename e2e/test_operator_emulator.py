@@ -191,6 +191,42 @@ def test_missing_secret_and_invalid_spec_are_degraded_not_fatal(cluster, run_asy
     run_async(scenario())
 
 
+def test_an_encoder_pool_runs_encoder_pods_and_a_decoder_only_one_is_refused(
+        cluster, run_async) -> None:
+    async def scenario() -> None:
+        async with cluster() as (k, client, start_operator), start_operator() as operator:
+            spec = {"model": {"source": "demo-whisper", "type": "encoder-decoder"},
+                    "pools": {"encoder": {"autoscaling": {"maxReplicas": 3}},
+                              "decode": {"replicas": 2}}}
+            await create_and_settle(client, "speech", spec)
+            encoder = stored(k, "Deployment", "speech-encoder")
+            (container,) = encoder["spec"]["template"]["spec"]["containers"]
+            assert container["args"][2:6] == ["--model", "demo-whisper", "--role", "encoder"]
+            hpa = stored(k, "HorizontalPodAutoscaler", "speech-encoder")
+            assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == \
+                "kvferry:num_requests_waiting_for_encoder"
+            (decode,) = stored(k, "Deployment", "speech-decode")["spec"]["template"]["spec"][
+                "containers"]
+            assert decode["args"][4:6] == ["--role", "decode"]
+
+            # No admission in the emulator: the operator itself refuses it, in the status.
+            bad = {"model": {"source": "demo"}, "pools": {"encoder": {}, "decode": {}}}
+            await client.create(NS, new_service("textonly", bad))
+            status = await wait_for(lambda: service_status(client, "textonly"), 15,
+                                    "status of textonly")
+            degraded = condition(status, "Degraded")
+            assert (degraded["status"], degraded["reason"]) == ("True", "InvalidSpec")
+            assert degraded["message"] == (
+                "spec.pools.encoder: spec.pools.encoder runs the encoder of an encoder-decoder "
+                "model (BART, Whisper), and spec.model.type is decoder-only: set "
+                "spec.model.type: encoder-decoder, or drop the encoder pool")
+            for component in ("encoder", "decode"):
+                assert await client.get("Deployment", NS, f"textonly-{component}") is None
+            assert operator.proc is not None and operator.proc.returncode is None
+
+    run_async(scenario())
+
+
 async def _ready_status(client: Any, name: str) -> dict[str, Any] | None:
     status = await service_status(client, name)
     return status if condition(status, "Ready").get("status") == "True" else None

@@ -551,18 +551,20 @@ def test_up_with_a_missing_model_path_exits_within_10_s_with_one_error(tmp_path:
 
 def test_up_with_a_model_the_engine_cannot_run_says_so_before_starting_anything(
         tmp_path: Path) -> None:
-    model = tmp_path / "whisper"
+    from kvferry.engine.models import SUPPORTED_ARCHITECTURES
+
+    model = tmp_path / "t5"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({
-        "architectures": ["WhisperForConditionalGeneration"], "num_attention_heads": 4,
+        "architectures": ["T5ForConditionalGeneration"], "num_attention_heads": 4,
         "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
         "vocab_size": 256}))
     done, elapsed = run_up(manifest_with({"source": f"hostpath://{model}"}), tmp_path)
     assert (done.returncode, done.stdout) == (2, ""), done
     assert done.stderr == (
         f"kvferry up: error: spec.model.source hostpath://{model}: {model}/config.json names the "
-        "architecture 'WhisperForConditionalGeneration', which the engine does not implement; "
-        f"supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM. {SOURCE_FIX}\n")
+        "architecture 'T5ForConditionalGeneration', which the engine does not implement; "
+        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}. {SOURCE_FIX}\n")
     assert elapsed < 10, elapsed
 
 

@@ -63,8 +63,9 @@ DEMO_SERVICE: dict[str, Any] = {
 STOP_MARGIN_S = 10.0
 # The router's port unless --port says, except for --once, which needs no known port.
 DEFAULT_PORT = 8000
-# Roles the engine does not serve yet; their pods run `both` (the router proxies to them).
-UNSERVED_ROLES = ("encoder",)
+# Demo models whose tokenizer the router loads (it tokenizes their text prompts); the
+# router has no text of demo-whisper's to tokenize (its encoder reads audio).
+ROUTER_TOKENIZER_DEMOS = ("demo", "demo-bart")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,10 +117,6 @@ def pod_children(spec: InferenceServiceSpec, redis_url: str, env: dict[str, str]
         args = serve_args(spec, pool, redis_url)
         args = _set_flag(args, "--model", model or local_model_arg(spec.model.source_scheme,
                                                                    spec.model.source_path))
-        if pool.role in UNSERVED_ROLES:
-            logger.warning("pool %s: the %s role is not served yet; its pods run as --role both "
-                           "(the router proxies to them directly)", pool.name, pool.role)
-            args = _set_flag(args, "--role", "both")
         for index in range(pool.replicas):
             name = f"{spec.name}-{pool.name}-{index}"
             port = free_port()
@@ -155,7 +152,7 @@ def router_child(spec: InferenceServiceSpec, redis_url: str, host: str, port: in
             "--redis", redis_url, "--host", host, "--port", str(port)]
     model = model or local_model_arg(spec.model.source_scheme, spec.model.source_path)
     tokenizer = given_tokenizer(spec) or model
-    if tokenizer == "demo" or Path(tokenizer).is_dir():
+    if tokenizer in ROUTER_TOKENIZER_DEMOS or Path(tokenizer).is_dir():
         # The tokenizer is on this machine: the router tokenizes text prompts with it
         # instead of asking a pod.
         args += ["--tokenizer", tokenizer]

@@ -90,9 +90,9 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def local_model_arg(source_scheme: str, source_path: str) -> str:
-    """`--model` for a local run: the demo, a hub id, or the host directory itself."""
+    """`--model` for a local run: a demo, a hub id, or the host directory itself."""
     if source_scheme == "demo":
-        return "demo"
+        return source_path or "demo"
     if source_scheme in ("hf", "hostpath"):
         return source_path if source_scheme == "hf" else "/" + source_path.lstrip("/")
     raise ValueError(f"model source scheme {source_scheme!r} needs a cluster; run locally with "
@@ -128,12 +128,29 @@ def check_model_source(spec: InferenceServiceSpec) -> str:
         if scheme == "hf":
             logger.info("fetching %s from the hub (or its local cache)", spec.model.source)
             model = str(download_from_hub(model))
-        check_checkpoint(Path(model), has_own_tokenizer=given_tokenizer(spec) is None)
+        arch = check_checkpoint(Path(model), has_own_tokenizer=given_tokenizer(spec) is None)
     except (CheckpointError, ValueError) as exc:
         reason = str(exc).rstrip(".")
         raise ModelSourceError(f"spec.model.source {spec.model.source}: {reason}. "
                                f"{MODEL_SOURCE_FIX}") from None
+    check_model_type(spec, arch.architecture, arch.is_encoder_decoder)
     return model
+
+
+def check_model_type(spec: InferenceServiceSpec, architecture: str,
+                     is_encoder_decoder: bool) -> None:
+    """Refuses a checkpoint whose kind is not `spec.model.type`: an encoder pool would run
+    no encoder (or the pods of an encoder-decoder model would go without the pool's work
+    counted as such)."""
+    kind = "encoder-decoder" if is_encoder_decoder else "decoder-only"
+    if kind == spec.model.type:
+        return
+    fix = ("set spec.model.type: encoder-decoder" if is_encoder_decoder else
+           "set spec.model.type: decoder-only" + (" and drop spec.pools.encoder"
+                                                  if "encoder" in spec.pools else ""))
+    raise ModelSourceError(f"spec.model.source {spec.model.source} is {architecture}, "
+                           f"{'an' if is_encoder_decoder else 'a'} {kind} model, and "
+                           f"spec.model.type says {spec.model.type}: {fix}")
 
 
 def given_tokenizer(spec: InferenceServiceSpec) -> str | None:

@@ -64,10 +64,10 @@ def serve_args(spec: InferenceServiceSpec, pool: PoolSpec, redis_url: str) -> li
 
 
 def model_arg(spec: InferenceServiceSpec) -> str:
-    """`--model`: `demo`, the hub id, or the directory where the weights are mounted."""
+    """`--model`: a demo, the hub id, or the directory where the weights are mounted."""
     scheme, path = spec.model.source_scheme, spec.model.source_path
     if scheme == "demo":
-        return "demo"
+        return path
     if scheme == "hf":
         return path
     if scheme == "pvc":
@@ -95,7 +95,7 @@ def model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], lis
     elif scheme == "hostpath":
         source = {"hostPath": {"path": path, "type": "Directory"}}
     else:
-        return [], []  # demo and hub models live in the cache
+        return [], []  # demos and hub models live in the cache
     return ([{"name": "model", **source}],
             [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}])
 

@@ -15,6 +15,8 @@ from kvferry.operator.quantity import QuantityError, canonical_quantity
 from kvferry.operator.schema import admit
 
 POOL_NAMES = ("encoder", "prefill", "decode")
+# The model sources the pods generate themselves (kvferry.engine.models.source).
+DEMO_SOURCES = ("demo", "demo-bart", "demo-whisper")
 # InferenceService annotation: a new value asks for a new KV transfer key. Not under
 # `kvferry.dev/`: kopf keeps its own state there and ignores changes to those annotations.
 KEY_ROTATION_ANNOTATION = "rotation.kvferry.dev/kv-transfer-key"
@@ -22,6 +24,15 @@ KEY_ROTATION_ANNOTATION = "rotation.kvferry.dev/kv-transfer-key"
 
 DEFAULT_ROUTING = {"encoder": "least-loaded", "prefill": "prefix-aware", "decode": "least-loaded"}
 """Routing policy of a pool whose `spec.router.routing.<pool>` is unset."""
+
+DEFAULT_METRICS = {
+    "encoder": ({"name": "kvferry:num_requests_waiting_for_encoder", "targetAverageValue": 4},),
+    "prefill": ({"name": "vllm:num_requests_waiting", "targetAverageValue": 4},),
+    "decode": ({"name": "vllm:num_requests_waiting", "targetAverageValue": 4},),
+}
+"""What a pool's HPA scales on when its `autoscaling.metrics` is unset: the pool's queue
+(the CRD sets no default, which would be one for every pool: an encoder pod's queue is of
+requests whose encoder has yet to run)."""
 
 
 class SpecError(ValueError):
@@ -35,7 +46,7 @@ class SpecError(ValueError):
 @dataclass(frozen=True)
 class ModelSpec:
     served_name: str  # the `model` clients send; the service name unless set
-    source: str  # demo | hf://ORG/NAME | pvc://CLAIM/PATH | hostpath:///PATH
+    source: str  # demo | demo-bart | demo-whisper | hf://ORG/NAME | pvc://CLAIM/PATH | hostpath:///PATH
     type: str  # decoder-only | encoder-decoder
     dtype: str  # auto | float16 | bfloat16 | float32
     max_model_len: int | None  # None: the checkpoint's own
@@ -44,13 +55,14 @@ class ModelSpec:
 
     @property
     def source_scheme(self) -> str:
-        """`demo`, `hf`, `pvc` or `hostpath`."""
-        return "demo" if self.source == "demo" else self.source.split("://", 1)[0]
+        """`demo` (any of the demos), `hf`, `pvc` or `hostpath`."""
+        return "demo" if self.source in DEMO_SOURCES else self.source.split("://", 1)[0]
 
     @property
     def source_path(self) -> str:
-        """What follows the scheme: hub id, CLAIM/PATH, or the absolute host path."""
-        return "" if self.source == "demo" else self.source.split("://", 1)[1]
+        """What follows the scheme: hub id, CLAIM/PATH, or the absolute host path; a demo's
+        name (`demo`, `demo-bart`, `demo-whisper`)."""
+        return self.source if self.source in DEMO_SOURCES else self.source.split("://", 1)[1]
 
 
 @dataclass(frozen=True)
@@ -323,7 +335,9 @@ def _strategy(s: dict[str, Any]) -> RolloutStrategy:
 
 
 def _role(pool: str, spec: dict[str, Any]) -> str:
-    if pool == "decode" and "prefill" not in spec["pools"]:
+    """A pool's `--role`: its name, but for a decode pool that computes prompts itself (no
+    prefill nor encoder pool hands it KV), which runs `both`."""
+    if pool == "decode" and not {"prefill", "encoder"} & set(spec["pools"]):
         return "both"
     return pool
 
@@ -342,7 +356,7 @@ def _pool(pool: str, p: dict[str, Any], spec: dict[str, Any]) -> PoolSpec:
             max_replicas=scaling["maxReplicas"],
             metrics=tuple(
                 MetricTarget(m["name"], canonical_quantity(m["targetAverageValue"]))
-                for m in scaling["metrics"]
+                for m in scaling.get("metrics") or DEFAULT_METRICS[pool]
             ),
         ),
         strategy=_strategy(p["strategy"]),

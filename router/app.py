@@ -52,6 +52,8 @@ def error_json(status: int, message: str, code: str | None = None,
 
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# Whisper's multipart form: relayed (through the encode hop) from one copy of the upload.
+AUDIO_PATH = "/v1/audio/transcriptions"
 # The endpoint whose bodies may carry prompt embeddings, and the field's name as JSON.
 EMBEDS_PATH = "/v1/completions"
 EMBEDS_FIELD = b'"prompt_embeds"'
@@ -74,6 +76,8 @@ class Gate:
         # /v1/completions bodies carrying prompt_embeds may be this large.
         self.max_embeds_body_bytes = max(router.settings.max_embeds_body_bytes,
                                          self.max_body_bytes)
+        # A transcription's form, its audio file included.
+        self.max_audio_body_bytes = router.settings.max_audio_body_bytes
         # Request ids: a random prefix per router process and a counter (unique across
         # routers and restarts, without a uuid4's urandom call and object per request).
         self._id_prefix = uuid.uuid4().hex[:16]
@@ -121,6 +125,14 @@ class Gate:
                 return
             await self._generate(path, receive, send, request_id)
             return
+        if path == AUDIO_PATH:
+            if scope["method"] != "POST":
+                await _send_error(send, 405, "Method Not Allowed", None,
+                                  request_id, [(b"allow", b"POST")])
+                return
+            content_type = headers.get(b"content-type", b"").decode("latin-1")
+            await self._transcribe(content_type, receive, send, request_id)
+            return
         await self.app(scope, _limited(receive, self.max_body_bytes), send)
 
     def _refusal(self, path: str, headers: dict[bytes, bytes]) -> Response | None:
@@ -130,12 +142,15 @@ class Gate:
         length = headers.get(b"content-length")
         limit = self._body_limit(path)
         if length is not None and length.isdigit() and int(length) > limit:
-            return _too_large(limit, limit != self.max_body_bytes)
+            return _too_large(limit, _limit_flag(path, limit != self.max_body_bytes))
         return None
 
     def _body_limit(self, path: str) -> int:
         """The most bytes a body may have: past max_body_bytes only a /v1/completions body
-        with prompt_embeds (checked once it is read)."""
+        with prompt_embeds (checked once it is read), and a transcription's form up to
+        max_audio_body_bytes."""
+        if path == AUDIO_PATH:
+            return self.max_audio_body_bytes
         return self.max_embeds_body_bytes if path == EMBEDS_PATH else self.max_body_bytes
 
     def _has_key(self, headers: dict[bytes, bytes]) -> bool:
@@ -184,6 +199,37 @@ class Gate:
             await _send_error(send, 400, str(exc), "invalid_json", request_id)
             return
         router.metrics.requests.labels(endpoint, str(answer.status)).inc()
+        await _send_answer(send, receive, answer, request_id)
+
+    async def _transcribe(self, content_type: str, receive: Receive, send: Send,
+                          request_id: str) -> None:
+        """A transcription's form: read once (up to --max-audio-body-bytes) into the one
+        buffer every hop sends views of."""
+        router = self.router
+        try:
+            body = await _read_upload(receive, self.max_audio_body_bytes)
+        except BodyTooLarge:
+            await _send_error(send, 413, f"the request body is larger than "
+                              f"{self.max_audio_body_bytes} bytes (--max-audio-body-bytes)",
+                              "request_too_large", request_id)
+            return
+        except ClientGone:
+            router.metrics.requests.labels(AUDIO_PATH, "499").inc()
+            return
+        try:
+            answer = await _unless_client_leaves(
+                receive, router.transcribe(content_type, body, request_id))
+        except ClientGone:
+            router.metrics.requests.labels(AUDIO_PATH, "499").inc()
+            return
+        except HopError as exc:
+            router.metrics.requests.labels(AUDIO_PATH, str(exc.status)).inc()
+            if exc.pod_error is not None:
+                await _send_json(send, exc.status, exc.pod_error, request_id)
+                return
+            await _send_error(send, exc.status, str(exc), exc.code, request_id)
+            return
+        router.metrics.requests.labels(AUDIO_PATH, str(answer.status)).inc()
         await _send_answer(send, receive, answer, request_id)
 
     async def _answer(self, endpoint: str, raw: bytes, request_id: str) -> Answer:
@@ -272,6 +318,21 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
     return b"".join(parts)
 
 
+async def _read_upload(receive: Receive, limit: int) -> bytearray:
+    """A body read into one growing buffer (never a list of chunks joined after: the upload
+    exists once); BodyTooLarge past `limit`, ClientGone when the client leaves mid-way."""
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        body += message.get("body", b"")
+        if len(body) > limit:
+            raise BodyTooLarge()
+        if not message.get("more_body"):
+            return body
+
+
 async def _send_answer(send: Send, receive: Receive, answer: Answer, request_id: str) -> None:
     headers = [(b"content-type", answer.headers["content-type"].encode("latin-1")),
                (b"x-request-id", request_id.encode("latin-1"))]
@@ -354,9 +415,16 @@ def _limited(receive: Receive, limit: int) -> Receive:
     return receive_limited
 
 
-def _too_large(limit: int, embeds: bool = False) -> JSONResponse:
-    flag = "--max-embeds-body-bytes for a body with prompt_embeds" if embeds else \
-        "--max-body-bytes"
+def _limit_flag(path: str, is_larger: bool) -> str:
+    """The flag that sets the body limit a path's body went over."""
+    if path == AUDIO_PATH:
+        return "--max-audio-body-bytes"
+    if is_larger:
+        return "--max-embeds-body-bytes for a body with prompt_embeds"
+    return "--max-body-bytes"
+
+
+def _too_large(limit: int, flag: str = "--max-body-bytes") -> JSONResponse:
     return error_json(413, f"the request body is larger than {limit} bytes ({flag})",
                       code="request_too_large")
 

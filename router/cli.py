@@ -17,6 +17,7 @@ from kvferry.kvtransfer.args import read_transfer_key
 from kvferry.kvtransfer.auth import KEY_ENV, MIN_KEY_BYTES
 from kvferry.router.config import (
     DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_MAX_AUDIO_BODY_BYTES,
     DEFAULT_MAX_POD_CONNECTIONS,
     DEFAULT_POD_GRACE_S,
     HopTimeouts,
@@ -64,12 +65,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the larger limit of a /v1/completions body that carries "
                              f"prompt_embeds (default ${EMBEDS_LIMIT_ENV} or 32 MiB; the "
                              "pods take --max-embeds-body-bytes too)")
+    parser.add_argument("--max-audio-body-bytes", type=int, metavar="N",
+                        default=DEFAULT_MAX_AUDIO_BODY_BYTES,
+                        help="answer 413 to a /v1/audio/transcriptions body (the form with "
+                             "its audio file) larger than N bytes (default 25 MiB, as the "
+                             "pods' --max-audio-body-bytes)")
     parser.add_argument("--connect-timeout", type=float, default=2.0, metavar="S",
                         help="longest wait for a connection to a pod")
     parser.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S",
                         help="longest wait for a prefill pod's answer")
     parser.add_argument("--decode-timeout", type=float, default=120.0, metavar="S",
                         help="longest wait for the next chunk of a decode answer")
+    parser.add_argument("--encode-timeout", type=float, default=120.0, metavar="S",
+                        help="longest wait for an encoder pod's answer (encoder-decoder "
+                             "models)")
     parser.add_argument("--pod-grace", type=float, default=DEFAULT_POD_GRACE_S, metavar="S",
                         help="keep routing to a pod this long after its registry record went "
                              "missing (a late refresh is not a dead pod; a pod that refuses "
@@ -115,7 +124,9 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Rou
         api_keys=frozenset(keys), policies=policies_from_env(environ),
         prefill_threshold_tokens=args.prefill_threshold, max_body_bytes=args.max_body_bytes,
         max_embeds_body_bytes=args.max_embeds_body_bytes,
-        timeouts=HopTimeouts(args.connect_timeout, args.prefill_timeout, args.decode_timeout),
+        max_audio_body_bytes=args.max_audio_body_bytes,
+        timeouts=HopTimeouts(args.connect_timeout, args.prefill_timeout, args.decode_timeout,
+                             args.encode_timeout),
         uvicorn_log_level=args.uvicorn_log_level, drain_timeout_s=args.drain_timeout,
         tokenizer=args.tokenizer or environ.get("KVFERRY_ROUTER_TOKENIZER") or None,
         http_limits=http_limits_from_args(args),

@@ -22,6 +22,8 @@ DEFAULT_POD_GRACE_S = 5.0
 # The engines' default max_num_seqs is 256, and a pod that already runs that many queues the
 # rest anyway: 512 leaves it a visible waiting queue (the autoscaler's signal) as deep again.
 DEFAULT_MAX_POD_CONNECTIONS = 512
+# The most bytes of a transcription upload (OpenAI's limit, and the pods' default).
+DEFAULT_MAX_AUDIO_BODY_BYTES = 25 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -32,9 +34,10 @@ class HopTimeouts:
     prefill_s: float = 120.0  # the whole prefill hop (one token)
     # Between two chunks of a decode answer (and before its headers).
     decode_read_s: float = 120.0
+    encode_s: float = 120.0  # the whole encode hop (encoder-decoder models)
 
     def __post_init__(self) -> None:
-        for name in ("connect_s", "prefill_s", "decode_read_s"):
+        for name in ("connect_s", "prefill_s", "decode_read_s", "encode_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"HopTimeouts.{name} must be > 0, got {getattr(self, name)}")
 
@@ -58,6 +61,10 @@ class RouterSettings:
     # torch.save payload: 4/3 of the embeddings' bytes). The router decodes such a payload
     # (kvferry.protocol.prompt_embeds) to route by its hash, and relays it to both hops.
     max_embeds_body_bytes: int = 32 * 1024 * 1024
+    # The most bytes of a /v1/audio/transcriptions body (the form with its audio file): the
+    # pods' own --max-audio-body-bytes default, OpenAI's 25 MiB. The router holds an upload
+    # once, to send it to the encode hop and the decode hop (and a retry) from that copy.
+    max_audio_body_bytes: int = DEFAULT_MAX_AUDIO_BODY_BYTES
     timeouts: HopTimeouts = field(default_factory=HopTimeouts)
     # How often the router rereads the pod registry.
     registry_poll_s: float = 0.25
@@ -99,6 +106,9 @@ class RouterSettings:
         if self.max_embeds_body_bytes < 1024:
             raise ValueError(f"--max-embeds-body-bytes must be >= 1024, got "
                              f"{self.max_embeds_body_bytes}")
+        if self.max_audio_body_bytes < 1024:
+            raise ValueError(f"--max-audio-body-bytes must be >= 1024, got "
+                             f"{self.max_audio_body_bytes}")
 
 
 def policies_from_env(environ: Mapping[str, str]) -> dict[str, str]:

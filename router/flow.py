@@ -1,4 +1,5 @@
-"""A generation request's way through the pools: (encode) -> prefill -> decode.
+"""A generation request's way through the pools: prefill -> decode (encoder-decoder models
+take their own way, encode -> decode: encode.py).
 
 The client sees one request. With a prefill pool, the prompt is first sent to a prefill pod
 with `kv_transfer_params: {"do_remote_decode": true}`, one token and no streaming; the
@@ -118,9 +119,12 @@ class Router:
                                  key, self._count_rejected, settings.pod_grace_s,
                                  self._count_dropped)
         self.index = PrefixIndex()
+        # Cross-attention blocks of encoder-decoder models, apart from the prompt prefixes.
+        self.cross_index = PrefixIndex()
         self.kv_events = KVEventReader(settings.redis_url, settings.service, self.index, key,
-                                       self._count_rejected)
+                                       self._count_rejected, self.cross_index)
         self.pods.on_leave.append(self.index.forget_pod)
+        self.pods.on_leave.append(self.cross_index.forget_pod)
         self.metrics.kv_events.set_function(lambda: self.kv_events.num_events)
         self.metrics.pods_late.set_function(lambda: self.pods.num_late)
         self.policies = {pool: make_policy(name, self.index)
@@ -129,10 +133,16 @@ class Router:
         self.pod_client = PodClient(settings.max_pod_connections)
         self.metrics.connection_waits.set_function(lambda: self.pod_client.num_waiting)
         timeouts = settings.timeouts
-        self._decode_timeout = HopTimeout(connect_s=timeouts.connect_s,
-                                          read_s=timeouts.decode_read_s)
+        self.decode_timeout = HopTimeout(connect_s=timeouts.connect_s,
+                                         read_s=timeouts.decode_read_s)
         self._prefill_timeout = HopTimeout(connect_s=timeouts.connect_s,
                                            total_s=timeouts.prefill_s)
+        # The threads that hash an uploaded file (as long a job as tokenizing a long text).
+        self.hash_pool = self._tokenize_pool
+        from kvferry.router.encode import EncodeFlow
+
+        # Encoder-decoder models: the encode hop, and the routes that take it.
+        self.encode = EncodeFlow(self, self.cross_index)
 
     def _count_rejected(self, why: Rejection) -> None:
         self.metrics.registry_rejected.labels(why.value).inc()
@@ -171,9 +181,9 @@ class Router:
         if KV_TRANSFER_FIELD in body:
             del body[KV_TRANSFER_FIELD]
             raw = None
+        if self.encode.encoder_input():
+            return await self.encode.generate(endpoint, body, request_id)
         prompt = await self._prompt(endpoint, body)
-        # An encoder hop (encoder-decoder models) goes here, before prefill: it will run the
-        # encoder pool's pod and add its own transfer params for the prefill pod to pull.
         decode = self._cache_choice(prompt)
         try:
             params = await self._maybe_prefill(endpoint, body, prompt, decode, request_id)
@@ -187,7 +197,7 @@ class Router:
             # except by round robin, whose turn was taken already and holds.
             if not isinstance(self._policy("decode"), RoundRobin):
                 decode = None
-        payload = raw if raw is not None else _dumps(body)
+        payload = raw if raw is not None else dumps(body)
         return await self._decode(endpoint, payload, prompt, decode, request_id)
 
     # ------------------------------------------------------------------ choosing pods
@@ -213,12 +223,12 @@ class Router:
     def _policy(self, pool: str) -> Policy:
         return self.policies.get(pool) or self.policies["decode"]
 
-    def _count_choice(self, pool: str, choice: Choice) -> None:
+    def count_choice(self, pool: str, choice: Choice) -> None:
         self.metrics.pod_chosen.labels(pool, self._policy(pool).name, choice.pod.name).inc()
         if choice.predicted_hit_tokens:
             self.metrics.predicted_hit_tokens.labels(pool).inc(choice.predicted_hit_tokens)
 
-    def _chooser(self, pool: str, prompt: Prompt, first: Choice | None) -> Chooser:
+    def chooser(self, pool: str, prompt: Prompt, first: Choice | None) -> Chooser:
         """Hands out `first` once, then policy choices among the pods not tried yet."""
         pending = [first] if first is not None else []
 
@@ -228,7 +238,7 @@ class Router:
             else:
                 pending.clear()
                 choice = self._policy(pool).choose(candidates, prompt.block_hashes)
-            self._count_choice(pool, choice)
+            self.count_choice(pool, choice)
             return choice
 
         return choose
@@ -245,9 +255,9 @@ class Router:
         payloads = _given_embeds(endpoint, body)
         if payloads is not None:
             return await self._embeds_prompt(payloads)
-        batch = _given_token_ids(endpoint, body)
+        batch = given_token_ids(endpoint, body)
         if batch is None:  # text or chat messages: the engine's tokenizer says
-            token_ids = await self._tokenize(endpoint, body)
+            token_ids = await self.tokenize(endpoint, body)
             batch = [token_ids] if token_ids is not None else None
         if batch is None:
             return Prompt(None, None)
@@ -283,15 +293,18 @@ class Router:
         pods = self.pods.pool("decode") or self.pods.pool("prefill")
         return pods[0].record.block_size if pods else None
 
-    async def _tokenize(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+    async def tokenize(self, endpoint: str, body: dict[str, Any],
+                       max_tokens: int | None = None) -> list[int] | None:
         """The prompt's token ids: from the router's own copy of the engines' tokenizer when
         it has one and the prompt is one text, else from a pod's /tokenize (the engine's own
         tokenizer and chat template); None when the prompt is neither, or is a text that
-        cannot fit the pods' max_model_len (the engine judges: it refuses such a text from
-        its length alone, at once, where tokenizing it would take seconds)."""
+        cannot fit the pods' `max_tokens` (default max_model_len; the engine judges: it
+        refuses such a text from its length alone, at once, where tokenizing it would take
+        seconds)."""
         pods = self.pods.pool("decode") or self.pods.pool("prefill")
         query = _tokenize_query(endpoint, body)
-        if query is not None and pods and pods[0].record.cannot_fit(_num_text_chars(query)):
+        if query is not None and pods and pods[0].record.cannot_fit(_num_text_chars(query),
+                                                                     max_tokens):
             return None
         if self.tokenizer is not None:
             token_ids = await self._local_token_ids(endpoint, body)
@@ -329,7 +342,7 @@ class Router:
             if "prefill" in self.pods.seen_pools:
                 self.metrics.prefill_fallbacks.labels("no_live_prefill_pod").inc()
             return None
-        if not _is_one_prompt(endpoint, body):
+        if not is_one_prompt(endpoint, body):
             self.metrics.prefill_skips.labels("not_one_prompt").inc()
             return None
         if _scores_the_prompt(body):
@@ -362,8 +375,8 @@ class Router:
         if "max_completion_tokens" in prefill_body:
             prefill_body["max_completion_tokens"] = 1
         answer = await send_hop(self.pod_client, self.pods, self.metrics, "prefill", "prefill",
-                                self._chooser("prefill", prompt, None), endpoint,
-                                _dumps(prefill_body), _headers(request_id),
+                                self.chooser("prefill", prompt, None), endpoint,
+                                dumps(prefill_body), hop_headers(request_id),
                                 self._prefill_timeout)
         try:
             raw = await answer.response.read()
@@ -371,7 +384,7 @@ class Router:
             raise HopError(f"prefill pod {answer.pod.name} failed mid-answer: {exc}") from None
         finally:
             release(answer)
-        _raise_if_refused(answer, raw)
+        raise_if_refused(answer, raw)
         self._remember(answer.pod.name, prompt)
         if answer.response.status != 200:
             raise HopError(f"prefill pod {answer.pod.name} answered "
@@ -385,25 +398,34 @@ class Router:
     async def _decode(self, endpoint: str, payload: bytes, prompt: Prompt,
                       first: Choice | None, request_id: str) -> Answer:
         answer = await send_hop(self.pod_client, self.pods, self.metrics, "decode", "decode",
-                                self._chooser("decode", prompt, first), endpoint, payload,
-                                _headers(request_id), self._decode_timeout)
+                                self.chooser("decode", prompt, first), endpoint, payload,
+                                hop_headers(request_id), self.decode_timeout)
         self._remember(answer.pod.name, prompt)
-        return await self._relay(answer)
+        return await self.relay(answer)
 
     async def relay_raw(self, endpoint: str, raw: bytes, request_id: str) -> Answer:
         """Plain proxying (one `both` pool, nothing to choose by prompt): the body as sent."""
         answer = await send_hop(self.pod_client, self.pods, self.metrics, "decode", "decode",
-                                self._chooser("decode", Prompt(None, None), None), endpoint, raw,
-                                _headers(request_id), self._decode_timeout)
-        return await self._relay(answer)
+                                self.chooser("decode", Prompt(None, None), None), endpoint, raw,
+                                hop_headers(request_id), self.decode_timeout)
+        return await self.relay(answer)
 
     def can_relay_raw(self, raw: bytes) -> bool:
         """True when the body can go to a decode pod untouched (the fast path). Never with a
-        prefill pool, even one that is down: that request is a fallback, and is counted."""
-        return (KV_TRANSFER_FIELD.encode() not in raw and not self._needs_tokens()
-                and "prefill" not in self.pods.seen_pools)
+        prefill pool, even one that is down: that request is a fallback, and is counted; nor
+        with an encoder pool, or a decode policy looking for cross blocks, for an
+        encoder-decoder model."""
+        if KV_TRANSFER_FIELD.encode() in raw or "prefill" in self.pods.seen_pools:
+            return False
+        if self.encode.encoder_input():
+            return not self.encode.needs_key()
+        return not self._needs_tokens()
 
-    async def _relay(self, answer: HopResponse) -> Answer:
+    async def transcribe(self, content_type: str, body: bytearray, request_id: str) -> Answer:
+        """Runs one /v1/audio/transcriptions form (held once, in `body`) through the pools."""
+        return await self.encode.transcribe(content_type, body, request_id)
+
+    async def relay(self, answer: HopResponse) -> Answer:
         response = answer.response
         headers = {"content-type": response.headers.get("content-type", "application/json")}
         if not headers["content-type"].startswith("text/event-stream"):
@@ -428,7 +450,7 @@ class Router:
             logger.warning("decode pod %s failed mid-stream: %s", answer.pod.name, exc)
             error = error_body(502, f"the decode pod failed mid-answer: {type(exc).__name__}",
                                code="bad_gateway")
-            yield b"data: " + _dumps(error) + b"\n\ndata: [DONE]\n\n"
+            yield b"data: " + dumps(error) + b"\n\ndata: [DONE]\n\n"
         finally:
             release(answer)
 
@@ -439,7 +461,7 @@ class Router:
                 self.index.stored(pod, hashes)
 
 
-def _raise_if_refused(answer: HopResponse, raw: bytes) -> None:
+def raise_if_refused(answer: HopResponse, raw: bytes) -> None:
     """RequestRefused for a 4xx other than 429: the request is wrong (model, length, types,
     max_tokens ...), and the decode pod would refuse it the same way."""
     status = answer.response.status
@@ -456,7 +478,7 @@ def _scores_the_prompt(body: dict[str, Any]) -> bool:
     return body.get("echo") is True and body.get("logprobs") is not None
 
 
-def _is_one_prompt(endpoint: str, body: dict[str, Any]) -> bool:
+def is_one_prompt(endpoint: str, body: dict[str, Any]) -> bool:
     """True for a request with one prompt (a text, token ids, or a one-element list of
     either; chat messages) and n == 1: the only kind a prefill pod hands over. Batches, n > 1
     and malformed prompts go to the decode pod, which computes (or refuses) them itself."""
@@ -497,7 +519,7 @@ def _decode_embeds(payloads: list[str], max_rows: int | None,
     return decoded
 
 
-def _given_token_ids(endpoint: str, body: dict[str, Any]) -> list[list[int]] | None:
+def given_token_ids(endpoint: str, body: dict[str, Any]) -> list[list[int]] | None:
     """The prompts of a /v1/completions request given as token ids, one list per prompt: a
     list of ids is one prompt, a list of such lists a batch. None for anything else (text,
     chat, a malformed prompt: the engine answers those)."""
@@ -571,9 +593,11 @@ def _tokenize_query(endpoint: str, body: dict[str, Any]) -> dict[str, Any] | Non
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        return {"model": model, "prompt": prompt}
-    return None
+    if not isinstance(prompt, str):
+        return None
+    if body.get("add_special_tokens") is False:  # the pods encode the text without them
+        return {"model": model, "prompt": prompt, "add_special_tokens": False}
+    return {"model": model, "prompt": prompt}
 
 
 def _num_text_chars(query: dict[str, Any]) -> int:
@@ -594,9 +618,9 @@ def _num_text_chars(query: dict[str, Any]) -> int:
     return total
 
 
-def _headers(request_id: str) -> dict[str, str]:
+def hop_headers(request_id: str) -> dict[str, str]:
     return {"content-type": "application/json", "x-request-id": request_id}
 
 
-def _dumps(obj: Any) -> bytes:
+def dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()

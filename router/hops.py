@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import aiohttp
 from kvferry.router.config import HopTimeouts
 from kvferry.router.metrics import RouterMetrics
-from kvferry.router.pod_client import HopTimeout, PodClient, PodResponse, PodUnreachable
+from kvferry.router.pod_client import Body, HopTimeout, PodClient, PodResponse, PodUnreachable
 from kvferry.router.pods import Pod, PodDirectory
 from kvferry.router.policies import Choice
 
@@ -79,7 +79,7 @@ Chooser = Callable[[list[Pod]], Choice]
 
 
 async def send_hop(client: PodClient, pods: PodDirectory, metrics: RouterMetrics,
-                   hop: str, pool: str, choose: Chooser, path: str, body: bytes,
+                   hop: str, pool: str, choose: Chooser, path: str, body: Body,
                    headers: dict[str, str], timeout: HopTimeout) -> HopResponse:
     """Sends `body` to a pod of `pool` chosen by `choose`; retries once on another pod."""
     tried: list[str] = []
@@ -107,7 +107,7 @@ async def send_hop(client: PodClient, pods: PodDirectory, metrics: RouterMetrics
 
 
 async def _try_pod(client: PodClient, pods: PodDirectory, metrics: RouterMetrics,
-                   hop: str, choice: Choice, path: str, body: bytes, headers: dict[str, str],
+                   hop: str, choice: Choice, path: str, body: Body, headers: dict[str, str],
                    timeout: HopTimeout) -> HopResponse | _Failure:
     pod = choice.pod
     started = time.perf_counter()

@@ -19,7 +19,8 @@ BLOCK_MS = 200  # XREAD's wait for new entries
 
 class KVEventReader(RedisFollower):
     """Follows the service's KV event stream from its start (so a restarted router relearns
-    what the pods hold) and applies each batch: evicted first, then stored.
+    what the pods hold) and applies each batch: evicted first, then stored (the decoder's
+    blocks to the prefix index, cross-attention blocks to the cross index).
 
     A pod whose entries name a new engine instance was restarted under the same name (its
     registry key may never have expired): everything its previous process held is dropped
@@ -31,12 +32,16 @@ class KVEventReader(RedisFollower):
 
     def __init__(self, redis_url: str, service: str, index: PrefixIndex,
                  key: TransferKey | None = None,
-                 on_reject: Callable[[Rejection], None] | None = None) -> None:
+                 on_reject: Callable[[Rejection], None] | None = None,
+                 cross_index: PrefixIndex | None = None) -> None:
         super().__init__(redis_url)
         self._transfer_key = key
         self._on_reject = on_reject
         self._key = kv_events_key(service)
         self._index = index
+        # Cross-attention block hashes (encoder-decoder models), kept apart: which decode
+        # pod holds an encoder input's cross blocks, not which holds a prompt prefix.
+        self._cross_index = cross_index if cross_index is not None else PrefixIndex()
         self._last_id = "0"
         self.num_events = 0
         # pod -> the engine instance its latest entry came from.
@@ -58,6 +63,9 @@ class KVEventReader(RedisFollower):
             self._follow_instance(batch.pod, batch.instance)
         self._index.evicted(batch.pod, batch.evicted)
         self._index.stored(batch.pod, batch.stored)
+        if batch.cross_evicted or batch.cross_stored:
+            self._cross_index.evicted(batch.pod, batch.cross_evicted)
+            self._cross_index.stored(batch.pod, batch.cross_stored)
         self.num_events += 1
 
     def _reject(self, why: Rejection) -> None:
@@ -71,6 +79,7 @@ class KVEventReader(RedisFollower):
             logger.info("pod %s restarted (engine instance %s): its prefix cache is empty",
                         pod, instance.decode(errors="replace"))
             self._index.forget_pod(pod)
+            self._cross_index.forget_pod(pod)
 
     async def read_once(self) -> None:
         answer = await self._redis.xread({self._key: self._last_id}, count=1000, block=BLOCK_MS)

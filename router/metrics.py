@@ -57,7 +57,28 @@ class RouterMetrics:
             "(short_prompt), the decode pod picked holds all of it but a tail below the "
             "threshold (cached_on_decode), they are not one prompt with n == 1 "
             "(not_one_prompt: the prefill pod hands over one sequence's KV), or they ask for "
-            "their prompt's logprobs (prompt_logprobs: the answering pod computes the prompt)",
+            "their prompt's logprobs (prompt_logprobs: the answering pod computes the prompt), "
+            "or go to an encoder-decoder model (encoder_decoder: its decode pod runs the "
+            "short decoder prompt itself)",
+            ["reason"], registry=r))
+        self.encode_hops = Labelled(Counter(
+            "kvferry:router_encode_hops",
+            "Requests to an encoder-decoder model whose encode hop ran on the encoder pool "
+            "and handed its cross-attention blocks on to the decode pod, by endpoint",
+            ["endpoint"], registry=r))
+        self.encode_skips = Labelled(Counter(
+            "kvferry:router_encode_skips",
+            "Requests to an encoder-decoder model sent straight to decode by choice: the "
+            "decode pod picked holds the encoder input's cross-attention blocks already "
+            "(cached_on_decode), or they are not one prompt with n == 1 (not_one_prompt: a "
+            "batch, n > 1 or chat messages, which the decode pod encodes itself)",
+            ["reason"], registry=r))
+        self.encode_fallbacks = Labelled(Counter(
+            "kvferry:router_encode_fallbacks",
+            "Requests to an encoder-decoder model sent straight to decode (whose pod runs "
+            "the encoder itself) because the encoder pool had no live pod "
+            "(no_live_encoder_pod), turned the hop away as busy or stopping (encoder_refused: "
+            "429 or 503 from every pod tried), or failed it (encoder_failed)",
             ["reason"], registry=r))
         self.pod_chosen = Labelled(Counter(
             "kvferry:router_pod_chosen", "Pods chosen, per pool and policy",

@@ -10,6 +10,11 @@ of CPU on each, several times the cost of the bytes themselves, and at one strea
 most of the latency the router adds. This client writes the request in one `write` and
 parses the answer with httptools (the parser uvicorn uses); nothing else happens per request.
 
+A large body (an uploaded audio file) is given as a list of buffers instead, views of the
+one copy the router holds: they are written a slice at a time, each after the pod has read
+the last (the transport's flow control), so the upload is never copied whole again into a
+request or a socket buffer.
+
 Failures raise what the hops already treat as a pod being down: `ConnectionError` (an
 OSError) when a connection is lost or speaks bad HTTP, its subclass `PodUnreachable` when
 none can be opened (refused, unreachable: nothing serves there), `TimeoutError` when a
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -30,6 +35,13 @@ from kvferry.router.connection_pool import ConnectionPool
 
 # Past this many unread bytes the connection stops reading until the relay catches up.
 HIGH_WATER_BYTES = 1 << 20
+# A body given as buffers is written in slices of this size, each once the transport has
+# room for it (below its write high-water mark).
+WRITE_SLICE_BYTES = 256 * 1024
+
+# A request body: bytes written with the request, or buffers (bytes, bytearray, memoryview)
+# written one slice at a time after it.
+Body = bytes | Sequence[bytes | bytearray | memoryview]
 
 
 class PodUnreachable(ConnectionError):
@@ -68,10 +80,25 @@ class PodConnection(asyncio.Protocol):
         self._chunks: list[bytes] = []
         self._num_buffered = 0
         self._is_paused = False
+        # Writing a body in slices: the transport's buffer is full, and the future a writer
+        # waits on until it drains; whether the request went out short of its body (the pod
+        # answered before reading it all), which leaves the connection unusable.
+        self._is_write_paused = False
+        self._drain_waiter: asyncio.Future[None] | None = None
+        self._is_body_cut = False
 
     # ------------------------------------------------------------------ asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+
+    def pause_writing(self) -> None:
+        self._is_write_paused = True
+
+    def resume_writing(self) -> None:
+        self._is_write_paused = False
+        waiter = self._drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def data_received(self, data: bytes) -> None:
         self.num_received += len(data)
@@ -84,9 +111,13 @@ class PodConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.is_lost = True
+        lost = ConnectionError(f"the pod closed the connection: {exc}" if exc
+                               else "the pod closed the connection")
         if not self.is_message_complete:
-            self._fail(ConnectionError(f"the pod closed the connection: {exc}" if exc
-                                       else "the pod closed the connection"))
+            self._fail(lost)
+        waiter = self._drain_waiter  # a body being written goes nowhere now
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(lost)
 
     # ------------------------------------------------------------------ httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -125,6 +156,7 @@ class PodConnection(asyncio.Protocol):
         self._error = None
         self._chunks = []
         self._num_buffered = 0
+        self._is_body_cut = False
         self.transport.write(request)
 
     async def wait(self, timeout_s: float | None) -> None:
@@ -155,22 +187,59 @@ class PodConnection(asyncio.Protocol):
     @property
     def is_reusable(self) -> bool:
         return (self.is_message_complete and self._is_keep_alive and not self.is_lost
-                and self._error is None)
+                and self._error is None and not self._is_body_cut)
 
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
 
     def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        # A body's writer wakes too: an answer that comes before the whole body went out
+        # ends the writing.
+        for waiter in (self._waiter, self._drain_waiter):
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
 
     def _fail(self, exc: Exception) -> None:
         self._error = exc
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(exc)
+        for waiter in (self._waiter, self._drain_waiter):
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(exc)
+
+    async def write_body(self, parts: Sequence[bytes | bytearray | memoryview],
+                         wait_s: Callable[[], float | None]) -> None:
+        """Writes the body after the request's head, a slice at a time, waiting (up to
+        `wait_s()` each time) for the pod to read what the transport holds before the next.
+        Stops early when the pod answers first (a refusal before the body is read): the
+        request is then cut short, and the connection is not reused."""
+        assert self.transport is not None
+        for part in parts:
+            view = memoryview(part).cast("B")
+            for offset in range(0, len(view), WRITE_SLICE_BYTES):
+                if self.is_headers_complete:
+                    self._is_body_cut = True
+                    return
+                if self._error is not None:
+                    raise self._error
+                self.transport.write(view[offset:offset + WRITE_SLICE_BYTES])
+                try:
+                    while self._is_write_paused and not self.is_headers_complete:
+                        await self._drained(wait_s())
+                except ConnectionError:
+                    if not self.is_headers_complete:
+                        raise
+                    # Answered, then closed: the answer is the pod's word on the request.
+
+    async def _drained(self, timeout_s: float | None) -> None:
+        waiter = self._drain_waiter = self._loop.create_future()
+        timer = (self._loop.call_later(timeout_s, _time_out, waiter)
+                 if timeout_s is not None else None)
+        try:
+            await waiter
+        finally:
+            self._drain_waiter = None
+            if timer is not None:
+                timer.cancel()
 
 
 def _time_out(waiter: asyncio.Future[None]) -> None:
@@ -244,18 +313,22 @@ class PodClient:
         pool = self._pools.get((host, port))
         return pool.num_open if pool is not None else 0
 
-    async def post(self, base_url: str, path: str, body: bytes, headers: dict[str, str],
+    async def post(self, base_url: str, path: str, body: Body, headers: dict[str, str],
                    timeout: HopTimeout) -> PodResponse:
         """POSTs `body` to the pod at `base_url`; returns once the answer's headers are in."""
         loop = self._loop = asyncio.get_running_loop()
         host, port, host_header = self._address(base_url)
-        request = _request_bytes(path, host_header, headers, body)
+        if isinstance(body, bytes):
+            request, parts = _request_bytes(path, host_header, headers, body), ()
+        else:
+            size = sum(memoryview(p).nbytes for p in body)
+            request, parts = _request_head(path, host_header, headers, size), body
         deadline = loop.time() + timeout.total_s if timeout.total_s is not None else None
         pool = self._pool((host, port))
         conn = await self._acquire(pool, host, port, timeout, deadline)
         if conn is not None:
             try:
-                return await self._exchange(pool, conn, request, timeout, deadline)
+                return await self._exchange(pool, conn, request, parts, timeout, deadline)
             except ConnectionError:
                 if conn.num_received:
                     pool.free_slot()
@@ -268,7 +341,7 @@ class PodClient:
                 raise
         try:
             conn = await self._connect(loop, host, port, timeout, deadline)
-            return await self._exchange(pool, conn, request, timeout, deadline)
+            return await self._exchange(pool, conn, request, parts, timeout, deadline)
         except BaseException:
             pool.free_slot()
             raise
@@ -313,11 +386,15 @@ class PodClient:
                 self.put_back(pool, handed)
 
     async def _exchange(self, pool: ConnectionPool, conn: PodConnection, request: bytes,
-                        timeout: HopTimeout, deadline: float | None) -> PodResponse:
-        """Sends the request on `conn` and waits for the answer's headers; on failure the
-        connection is closed and its slot stays with the caller."""
+                        parts: Sequence[bytes | bytearray | memoryview], timeout: HopTimeout,
+                        deadline: float | None) -> PodResponse:
+        """Sends the request (and the body `parts`, if any) on `conn` and waits for the
+        answer's headers; on failure the connection is closed and its slot stays with the
+        caller."""
         conn.start(request)
         try:
+            if parts:
+                await conn.write_body(parts, lambda: self.wait_s(timeout, deadline))
             while not conn.is_headers_complete:
                 await conn.wait(self.wait_s(timeout, deadline))
         except BaseException:
@@ -378,12 +455,17 @@ class PodClient:
 
 
 def _request_bytes(path: str, host_header: bytes, headers: dict[str, str], body: bytes) -> bytes:
+    return _request_head(path, host_header, headers, len(body)) + body
+
+
+def _request_head(path: str, host_header: bytes, headers: dict[str, str],
+                  content_length: int) -> bytes:
     lines = [b"POST ", path.encode("latin-1"), b" HTTP/1.1\r\nhost: ", host_header,
-             b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]
+             b"\r\ncontent-length: ", str(content_length).encode(), b"\r\n"]
     for name, value in headers.items():
         if "\r" in value or "\n" in value:
             raise ValueError(f"header {name} holds a line break")
         lines += [name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n"]
-    lines += [b"\r\n", body]
+    lines.append(b"\r\n")
     return b"".join(lines)
 

@@ -144,9 +144,12 @@ class CoreClient:
                 # It ended: the reason (CoreFailed) may still be on its way.
                 await asyncio.wait({message_task}, timeout=_LAST_WORD_TIMEOUT_S)
         finally:
-            if not message_task.done():
+            # Cancelled here, the task is not done until the loop runs again: decide on
+            # whether it had finished.
+            unanswered = not message_task.done()
+            if unanswered:
                 message_task.cancel()
-        if message_task.cancelled():
+        if unanswered or message_task.cancelled():
             raise EngineDeadError(
                 f"the engine core process {self.describe_exit()} while loading the model"
             )

@@ -60,7 +60,7 @@ _VOWELS = ["a", "e", "i", "o", "u", "ai", "ou", "ea"]
 _CODAS = ["", "", "n", "r", "s", "l", "m", "th", "nd"]
 
 
-def _corpus(num_sentences: int = 4000, seed: int = _SEED) -> list[str]:
+def corpus(num_sentences: int = 4000, seed: int = _SEED) -> list[str]:
     """Pseudo-English sentences from a seeded generator: invented words, punctuation, digits."""
     rng = random.Random(seed)
     syllables = [o + v + c for o in _ONSETS for v in _VOWELS for c in _CODAS]
@@ -88,7 +88,7 @@ def _train_tokenizer() -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(corpus(), trainer=trainer)
     # Every encoded prompt starts with <s>, as Llama's tokenizers do.
     tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]

@@ -1,8 +1,9 @@
 """Turns a `--model` value into a local checkpoint directory.
 
-Three kinds of source: an existing directory (used as is), `demo` (the built-in random
-model, created once in the cache), or a hub id such as `Qwen/Qwen3-0.6B`, downloaded
-with `huggingface_hub` when it is installed and the network is reachable.
+Three kinds of source: an existing directory (used as is), a demo (`demo`, the built-in
+random Llama; `demo-bart` and `demo-whisper`, random encoder-decoder models; each created
+once in the cache), or a hub id such as `Qwen/Qwen3-0.6B`, downloaded with
+`huggingface_hub` when it is installed and the network is reachable.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import tempfile
 from pathlib import Path
 
 DEMO_SOURCE = "demo"
-# Bump when the demo checkpoint's contents change, so stale caches are not reused.
-_DEMO_DIR_NAME = "demo-v1"
+# Every demo source -> its directory in the cache (bump a version when the checkpoint's
+# contents change, so stale caches are not reused).
+DEMO_DIRS = {"demo": "demo-v1", "demo-bart": "demo-bart-v1", "demo-whisper": "demo-whisper-v1"}
+DEMO_SOURCES = tuple(DEMO_DIRS)
 # Only the files the engine reads are fetched from the hub.
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
 
@@ -25,22 +28,36 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "kvferry"
 
 
-def _ensure_demo(cache_dir: Path) -> Path:
-    """Creates the demo checkpoint under `cache_dir` unless it is already there.
+def _create_demo(source: str, path: Path) -> None:
+    if source == "demo-bart":
+        from kvferry.engine.models.demo_encdec import create_demo_bart_checkpoint
+
+        create_demo_bart_checkpoint(path)
+    elif source == "demo-whisper":
+        from kvferry.engine.models.demo_encdec import create_demo_whisper_checkpoint
+
+        create_demo_whisper_checkpoint(path)
+    else:
+        from kvferry.engine.models.demo import create_demo_checkpoint
+
+        create_demo_checkpoint(path)
+
+
+def _ensure_demo(cache_dir: Path, source: str = DEMO_SOURCE) -> Path:
+    """Creates the demo checkpoint `source` under `cache_dir` unless it is already there.
 
     It is written into a temporary sibling directory and renamed into place, so a
     concurrent reader never sees a half-written checkpoint; when two processes race,
     the loser discards its copy (both copies are byte-identical anyway).
     """
-    from kvferry.engine.models.demo import create_demo_checkpoint
-
-    final = cache_dir / _DEMO_DIR_NAME
+    name = DEMO_DIRS[source]
+    final = cache_dir / name
     if (final / "config.json").is_file():
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{_DEMO_DIR_NAME}-", dir=cache_dir))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
     try:
-        create_demo_checkpoint(tmp)
+        _create_demo(source, tmp)
         os.rename(tmp, final)
     except OSError:
         if not (final / "config.json").is_file():
@@ -88,12 +105,13 @@ def download_from_hub(repo_id: str) -> Path:
 
 
 def resolve_model_source(src: str, cache_dir: Path | None = None) -> Path:
-    """Returns a local checkpoint directory for `src` (a directory, `demo`, or a hub id)."""
+    """Returns a local checkpoint directory for `src` (a directory, a demo, or a hub id)."""
     path = Path(src).expanduser()
     if path.is_dir():
         return path
-    if src == DEMO_SOURCE:
-        return _ensure_demo(Path(cache_dir) if cache_dir is not None else default_cache_dir())
+    if src in DEMO_DIRS:
+        return _ensure_demo(Path(cache_dir) if cache_dir is not None else default_cache_dir(),
+                            src)
     if not _looks_like_hub_id(src):
         raise ValueError(f"model path {src!r} does not exist (and is not a hub id)")
     try:

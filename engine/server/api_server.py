@@ -24,7 +24,6 @@ from kvferry.engine.config import EngineConfig
 from kvferry.engine.server.chat import chat_text, create_chat_completion
 from kvferry.engine.server.completions import create_completion
 from kvferry.engine.server.errors import (
-    ApiError,
     bad_request,
     error_response,
     install_error_handlers,
@@ -251,10 +250,11 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         response_format: Annotated[str, Form()] = "json",
         temperature: Annotated[float, Form()] = 0.0,
         kv_transfer_params: Annotated[str | None, Form()] = None,
+        stream: Annotated[bool, Form()] = False,
     ) -> Response:
         # An empty field (as an HTML form sends one left blank) is one not given.
         form = TranscriptionForm(model, language or None, prompt, response_format or "json",
-                                 temperature, kv_transfer_params or None)
+                                 temperature, kv_transfer_params or None, stream)
         try:
             return await create_transcription(state, form, file, request)
         finally:

@@ -115,10 +115,13 @@ class Lifecycle:
             return
         from kvferry.engine.server.registry import PodRegistrar
 
+        limits = engine.input_processor.limits
         self.registrar = PodRegistrar(
             registration, engine.served_model_name, block_size,
-            max_model_len=engine.input_processor.limits.max_model_len,
-            max_token_chars=engine.tokenizer.max_token_chars or 0)
+            max_model_len=limits.max_model_len,
+            max_token_chars=engine.tokenizer.max_token_chars or 0,
+            encoder_input=limits.encoder_input if limits.is_encoder_decoder else "",
+            max_encoder_len=limits.max_encoder_len)
         engine.add_stats_listener(self.registrar.record_stats)
         self.registrar.start()
 

@@ -68,6 +68,20 @@ def registration_settings(redis_url: str, service: str | None, role: str, host: 
                                 pod=pod, url=f"http://{advertise}:{port}", key=key)
 
 
+@dataclass(frozen=True)
+class PendingEvents:
+    """One step's KV events, waiting for the thread to publish them."""
+
+    evicted: list[bytes] = field(default_factory=list)  # decoder block hashes
+    stored: list[bytes] = field(default_factory=list)
+    cross_evicted: list[bytes] = field(default_factory=list)  # cross-attention block hashes
+    cross_stored: list[bytes] = field(default_factory=list)
+
+    @property
+    def has_any(self) -> bool:
+        return bool(self.evicted or self.stored or self.cross_evicted or self.cross_stored)
+
+
 class PodRegistrar:
     """Keeps this pod's registry key alive while the server serves.
 
@@ -77,7 +91,8 @@ class PodRegistrar:
     """
 
     def __init__(self, settings: RegistrationSettings, model: str, block_size: int,
-                 max_model_len: int = 0, max_token_chars: int = 0) -> None:
+                 max_model_len: int = 0, max_token_chars: int = 0, encoder_input: str = "",
+                 max_encoder_len: int = 0) -> None:
         import redis
 
         self.settings = settings
@@ -86,15 +101,19 @@ class PodRegistrar:
         # Announced so that the router refuses a text that cannot fit before tokenizing it.
         self.max_model_len = max_model_len
         self.max_token_chars = max_token_chars
+        # Encoder-decoder models (the engine's limits): the router keys encoder inputs and
+        # runs the encode hop by them.
+        self.encoder_input = encoder_input
+        self.max_encoder_len = max_encoder_len
         # The latest load, replaced whole by the loop and read by the thread.
         self.stats = SchedulerStats()
         # This engine process, in its KV events: a reader that sees the pod's instance
         # change drops what the previous process held.
         self.instance_id = uuid.uuid4().hex
-        # (evicted, stored) hash batches not yet published, oldest first; the first, empty,
-        # announces this instance with a cache that holds nothing yet. The loop appends,
-        # the thread takes them all; the lock makes the take and the appends exclusive.
-        self._pending_events: list[tuple[list[bytes], list[bytes]]] = [([], [])]
+        # Event batches not yet published, oldest first; the first, empty, announces this
+        # instance with a cache that holds nothing yet. The loop appends, the thread takes
+        # them all; the lock makes the take and the appends exclusive.
+        self._pending_events: list[PendingEvents] = [PendingEvents()]
         self._events_lock = threading.Lock()
         self._redis = redis.Redis.from_url(settings.redis_url, socket_timeout=REDIS_TIMEOUT_S,
                                            socket_connect_timeout=REDIS_TIMEOUT_S)
@@ -112,10 +131,11 @@ class PodRegistrar:
     def record_stats(self, scheduler: SchedulerStats, _iteration: object) -> None:
         """An AsyncLLM stats listener: keeps the latest load and the step's KV events."""
         self.stats = scheduler
-        if scheduler.stored_block_hashes or scheduler.evicted_block_hashes:
+        events = PendingEvents(scheduler.evicted_block_hashes, scheduler.stored_block_hashes,
+                               scheduler.evicted_cross_hashes, scheduler.stored_cross_hashes)
+        if events.has_any:
             with self._events_lock:
-                self._pending_events.append((scheduler.evicted_block_hashes,
-                                             scheduler.stored_block_hashes))
+                self._pending_events.append(events)
 
     def start(self) -> None:
         """Starts the heartbeat on the running loop and the refresh thread."""
@@ -158,12 +178,18 @@ class PodRegistrar:
                            num_waiting=stats.num_waiting_reqs,
                            kv_cache_usage=stats.kv_cache_usage, updated_at=time.time(),
                            max_model_len=self.max_model_len,
-                           max_token_chars=self.max_token_chars, is_leaving=is_leaving)
+                           max_token_chars=self.max_token_chars, is_leaving=is_leaving,
+                           encoder_input=self.encoder_input,
+                           max_encoder_len=self.max_encoder_len)
         return record if s.key is None else sign_record(record, s.key)
 
-    def event_batch(self, evicted: list[bytes], stored: list[bytes]) -> KVEventBatch:
+    def event_batch(self, evicted: list[bytes], stored: list[bytes],
+                    cross_evicted: list[bytes] | None = None,
+                    cross_stored: list[bytes] | None = None) -> KVEventBatch:
         """One step's KV events as published, signed when the pod has the key."""
-        batch = KVEventBatch(self.settings.pod, self.instance_id.encode(), evicted, stored)
+        batch = KVEventBatch(self.settings.pod, self.instance_id.encode(), evicted, stored,
+                             cross_evicted=cross_evicted or [],
+                             cross_stored=cross_stored or [])
         return batch if self.settings.key is None else sign_batch(batch, self.settings.key)
 
     def publish(self, is_leaving: bool = False) -> None:
@@ -179,8 +205,10 @@ class PodRegistrar:
             return
         key = kv_events_key(self.settings.service)
         with self._redis.pipeline(transaction=False) as pipe:
-            for evicted, stored in batches:
-                pipe.xadd(key, self.event_batch(evicted, stored).to_fields(),  # type: ignore[arg-type]
+            for events in batches:
+                batch = self.event_batch(events.evicted, events.stored, events.cross_evicted,
+                                         events.cross_stored)
+                pipe.xadd(key, batch.to_fields(),  # type: ignore[arg-type]
                           maxlen=EVENT_STREAM_MAXLEN, approximate=True)
             pipe.execute()
 

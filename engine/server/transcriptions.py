@@ -23,15 +23,16 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 from fastapi import Request, UploadFile
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from kvferry.engine.frontend.audio import WhisperAudio, decode_audio
 from kvferry.engine.frontend.input_processor import ProcessedPrompt
 from kvferry.engine.frontend.outputs import RequestOutput
 from kvferry.engine.frontend.tokenizer import Tokenizer
 from kvferry.engine.frontend.whisper_prompt import TRANSCRIBE, WhisperTokens, whisper_languages
 from kvferry.engine.sampling_params import SamplingParams
-from kvferry.engine.server.errors import ApiError, bad_request
+from kvferry.engine.server.errors import ApiError, bad_request, error_body
 from kvferry.engine.server.serving import (
+    SSE_DONE,
     ChoiceState,
     RequestRecord,
     abort_on_disconnect,
@@ -40,6 +41,7 @@ from kvferry.engine.server.serving import (
     check_output_error,
     check_queue_room,
     engine_error,
+    sse,
 )
 
 if TYPE_CHECKING:
@@ -67,6 +69,8 @@ class TranscriptionForm:
     # The hop's transfer params as JSON text (disaggregation: an encoder pod's hold, or a
     # request to hold), as the router sends them.
     kv_transfer_params: str | None = None
+    # Stream the transcript as OpenAI's transcript.text.delta / .done events.
+    stream: bool = False
 
 
 @dataclass
@@ -184,6 +188,11 @@ def require_multipart(request: Request) -> None:
 async def create_transcription(state: ServerState, form: TranscriptionForm, upload: UploadFile,
                                request: Request) -> Response:
     job = await prepare(state, form, upload, request)
+    # An encoder hop (do_remote_decode) always answers whole: its answer is the params.
+    holds = job.kv_transfer_params is not None and job.kv_transfer_params.do_remote_decode
+    if form.stream and not holds:
+        return StreamingResponse(stream_transcript(job, request),
+                                 media_type="text/event-stream")
     choice = await collect(job, request)
     if job.returned_params is not None:
         # An encoder pod's answer: the hold's params for the decode hop, always as JSON.
@@ -287,6 +296,33 @@ async def collect(job: TranscriptionJob, request: Request) -> ChoiceState:
         job.record.finish([choice])
         job.record.log()
     return choice
+
+
+async def stream_transcript(job: TranscriptionJob, request: Request) -> AsyncIterator[bytes]:
+    """OpenAI's streamed transcription: a transcript.text.delta event per piece of text as
+    the model writes it, then transcript.text.done with the whole text and the usage. A
+    failure after the first event ends the stream with an error event."""
+    choice = ChoiceState()
+    try:
+        async with abort_on_disconnect(request.receive, lambda: job.engine.abort(job.request_id)):
+            async for output in transcribe(job):
+                for delta in output.outputs:
+                    choice.add(delta)
+                    # The first piece loses the space Whisper's first token starts with.
+                    text = delta.text.lstrip() if choice.text == delta.text else delta.text
+                    if text:
+                        yield sse(json.dumps({"type": "transcript.text.delta", "delta": text}))
+        usage = {"type": "duration", "seconds": round(job.inputs.duration_s, 3)}
+        yield sse(json.dumps({"type": "transcript.text.done", "text": choice.text.strip(),
+                              "usage": usage}))
+        yield SSE_DONE
+    except (ValueError, RuntimeError, ApiError) as exc:
+        job.record.error = str(exc)
+        error = exc if isinstance(exc, ApiError) else engine_error(exc)
+        yield sse(json.dumps(error_body(error.status, error.message, error.param, error.code)))
+    finally:
+        job.record.finish([choice])
+        job.record.log()
 
 
 def render(response_format: str, inputs: TranscriptionInputs, choice: ChoiceState) -> Response:

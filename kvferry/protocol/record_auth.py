@@ -26,6 +26,8 @@ from kvferry.protocol.registry import PodRecord
 
 _RECORD_TAG = b"kvferry-pod-record/v1"
 _EVENTS_TAG = b"kvferry-kv-events/v1"
+# What a record's `encoder_input` may be: decoder-only, a token encoder, an audio encoder.
+ENCODER_INPUTS = ("", "tokens", "audio")
 # Seconds a record's `updated_at` may lie ahead of the reader's clock (clocks of different
 # machines differ a little; a record stamped far ahead is made up).
 MAX_FUTURE_S = 60.0
@@ -43,12 +45,16 @@ class Rejection(str, enum.Enum):
 # ---------------------------------------------------------------------------- pod records
 def _record_fields(record: PodRecord) -> tuple[object, ...]:
     """Every field of the record but its MAC, each in the type it is published with.
-    `is_leaving` is signed only when set, so a live pod's MAC is what it was before the
-    field existed (routers and pods of either version verify each other's live records)."""
-    fields = (_RECORD_TAG, record.pod, record.service, record.role, record.model, record.url,
-              int(record.block_size), int(record.num_running), int(record.num_waiting),
-              float(record.kv_cache_usage), float(record.updated_at),
-              int(record.max_model_len), int(record.max_token_chars))
+    `is_leaving` is signed only when set, and the encoder fields only for an
+    encoder-decoder model, so a live decoder-only pod's MAC is what it was before those
+    fields existed (routers and pods of either version verify each other's live records)."""
+    fields: tuple[object, ...] = (
+        _RECORD_TAG, record.pod, record.service, record.role, record.model, record.url,
+        int(record.block_size), int(record.num_running), int(record.num_waiting),
+        float(record.kv_cache_usage), float(record.updated_at),
+        int(record.max_model_len), int(record.max_token_chars))
+    if record.encoder_input:
+        fields = (*fields, "encoder", record.encoder_input, int(record.max_encoder_len))
     return (*fields, "is_leaving") if record.is_leaving else fields
 
 
@@ -62,10 +68,11 @@ def record_out_of_range(record: PodRecord, now: float) -> str | None:
 
     Types first: JSON gives any value to any field, and `True` is an int to Python.
     """
-    for name in ("pod", "service", "role", "model", "url"):
+    for name in ("pod", "service", "role", "model", "url", "encoder_input"):
         if not isinstance(getattr(record, name), str):
             return f"{name} is not a string"
-    for name in ("block_size", "num_running", "num_waiting", "max_model_len", "max_token_chars"):
+    for name in ("block_size", "num_running", "num_waiting", "max_model_len", "max_token_chars",
+                 "max_encoder_len"):
         value = getattr(record, name)
         if not isinstance(value, int) or isinstance(value, bool):
             return f"{name} is not an integer"
@@ -84,6 +91,11 @@ def record_out_of_range(record: PodRecord, now: float) -> str | None:
 def _range_problem(record: PodRecord, now: float) -> str | None:
     if record.block_size <= 0:
         return f"block_size {record.block_size} <= 0"
+    if record.encoder_input not in ENCODER_INPUTS:
+        return f"encoder_input {record.encoder_input!r} is none of {ENCODER_INPUTS}"
+    if (record.max_encoder_len > 0) != bool(record.encoder_input) or record.max_encoder_len < 0:
+        return f"max_encoder_len {record.max_encoder_len} with encoder_input " \
+               f"{record.encoder_input!r} (> 0 exactly for an encoder-decoder model)"
     if record.max_model_len < 0 or record.max_token_chars < 0:
         return f"negative length limits ({record.max_model_len} max_model_len, " \
                f"{record.max_token_chars} max_token_chars)"
@@ -119,9 +131,15 @@ def check_record(record: PodRecord, key: TransferKey | None, now: float) -> Reje
 
 # ---------------------------------------------------------------------------- KV events
 def _batch_fields(batch: KVEventBatch) -> tuple[object, ...]:
-    """The batch as it travels: pod, instance and the concatenated hash lists."""
-    return (_EVENTS_TAG, batch.pod, batch.instance or b"", b"".join(batch.evicted),
-            b"".join(batch.stored))
+    """The batch as it travels: pod, instance and the concatenated hash lists. The
+    cross-attention lists are signed only when the batch has some, so a decoder-only
+    pod's batches are signed as before they existed."""
+    fields: tuple[object, ...] = (_EVENTS_TAG, batch.pod, batch.instance or b"",
+                                  b"".join(batch.evicted), b"".join(batch.stored))
+    if batch.cross_evicted or batch.cross_stored:
+        fields = (*fields, "cross", b"".join(batch.cross_evicted),
+                  b"".join(batch.cross_stored))
+    return fields
 
 
 def sign_batch(batch: KVEventBatch, key: TransferKey) -> KVEventBatch:

@@ -68,14 +68,25 @@ class PodRecord:
     mac: str | None = None
     # The pod's last record: it is stopping (draining or dead) and takes no new requests.
     is_leaving: bool = False
+    # Encoder-decoder models: what the encoder reads ("tokens": BART's text, "audio":
+    # Whisper's), "" for a decoder-only model; and the longest encoder input in positions
+    # (0: decoder-only). The router learns from them that a service's requests take an
+    # encode hop and how to key their encoder input (block_hash.encoder_input_key).
+    encoder_input: str = ""
+    max_encoder_len: int = 0
 
-    def cannot_fit(self, num_chars: int) -> bool:
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return bool(self.encoder_input)
+
+    def cannot_fit(self, num_chars: int, max_tokens: int | None = None) -> bool:
         """True when a text of `num_chars` characters (or more) needs more tokens than
-        max_model_len: the pod refuses it before tokenizing it, and so nothing should
-        tokenize it for the pod."""
-        if not self.max_model_len or not self.max_token_chars:
+        `max_tokens` (default max_model_len; an encoder text's is max_encoder_len): the pod
+        refuses it before tokenizing it, and so nothing should tokenize it for the pod."""
+        limit = self.max_model_len if max_tokens is None else max_tokens
+        if not limit or not self.max_token_chars:
             return False
-        return -(-num_chars // self.max_token_chars) > self.max_model_len
+        return -(-num_chars // self.max_token_chars) > limit
 
     def to_json(self) -> str:
         fields = asdict(self)
@@ -83,6 +94,8 @@ class PodRecord:
             del fields["mac"]
         if not self.is_leaving:  # a live pod's record reads as it did before the field
             del fields["is_leaving"]
+        if not self.encoder_input:  # a decoder-only pod's record reads as before the fields
+            del fields["encoder_input"], fields["max_encoder_len"]
         return json.dumps(fields, separators=(",", ":"))
 
     @classmethod

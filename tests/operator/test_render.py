@@ -82,13 +82,39 @@ def test_serve_command_line_is_the_contract() -> None:
 
 
 def test_whisper_uses_external_redis_and_an_encoder_pool() -> None:
-    children = by_name(render_children(parse_spec(load_example(EXAMPLES[2]))))
+    (whisper,) = [p for p in EXAMPLES if p.stem == "whisper"]
+    children = by_name(render_children(parse_spec(load_example(whisper))))
     assert "Deployment/whisper-redis" not in children
     encoder = children["Deployment/whisper-encoder"]["spec"]["template"]["spec"]["containers"][0]
     assert encoder["args"][:12] == ["kvferry", "serve", "--model", "openai/whisper-large-v3", "--role",
                                     "encoder", "--host", "0.0.0.0", "--port", "8000", "--redis", "$(KVFERRY_REDIS_URL)"]
     assert encoder["env"][0] == {"name": "KVFERRY_REDIS_URL",
                                  "valueFrom": {"secretKeyRef": {"name": "shared-redis", "key": "url"}}}
+
+
+def test_an_encoder_pool_renders_encoder_pods_with_their_own_resources_and_hpa() -> None:
+    spec = minimal(model={"source": "demo", "type": "encoder-decoder"}, pools={
+        "encoder": {"resources": {"requests": {"cpu": "2", "memory": "1Gi"}},
+                    "autoscaling": {"minReplicas": 2, "maxReplicas": 6}},
+        "decode": {"replicas": 3, "resources": {"limits": {"nvidia.com/gpu": 1}}}})
+    children = by_name(assert_children_validate(service(spec)))
+    (encoder,) = pod_of(children, "svc-encoder")["spec"]["containers"]
+    assert encoder["args"][4:6] == ["--role", "encoder"]
+    assert {e["name"]: e.get("value") for e in encoder["env"]}["KVFERRY_ROLE"] == "encoder"
+    assert encoder["resources"] == {"requests": {"cpu": "2", "memory": "1Gi"}}
+    assert "replicas" not in children["Deployment/svc-encoder"]["spec"]
+    hpa = children["HorizontalPodAutoscaler/svc-encoder"]["spec"]
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (2, 6)
+    assert hpa["metrics"] == [{"type": "Pods", "pods": {
+        "metric": {"name": "kvferry:num_requests_waiting_for_encoder"},
+        "target": {"type": "AverageValue", "averageValue": "4"}}}]
+    # The decode pool keeps its own: a fixed count, a GPU, and the role of a pool that is
+    # handed KV (the cross-attention blocks the encoder pool computed).
+    (decode,) = pod_of(children, "svc-decode")["spec"]["containers"]
+    assert decode["args"][4:6] == ["--role", "decode"]
+    assert decode["resources"] == {"limits": {"nvidia.com/gpu": "1"}}
+    assert children["Deployment/svc-decode"]["spec"]["replicas"] == 3
+    assert "HorizontalPodAutoscaler/svc-decode" not in children
 
 
 def test_autoscaled_pool_leaves_replicas_to_the_hpa() -> None:

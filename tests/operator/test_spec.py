@@ -23,11 +23,18 @@ def test_examples_are_admitted(path: Any) -> None:
 
 def test_examples_cover_demo_gpu_autoscaling_and_encoder() -> None:
     specs = {p.stem: parse_spec(load_example(p)) for p in EXAMPLES}
-    assert set(specs) == {"demo", "llama-gpu", "whisper"}
+    assert set(specs) == {"demo", "llama-gpu", "whisper", "whisper-service"}
     assert specs["demo"].model.source == "demo"
     assert specs["llama-gpu"].pools["decode"].autoscaling is not None
     assert specs["llama-gpu"].pools["decode"].resources.limits["nvidia.com/gpu"] == "1"
     assert specs["whisper"].pools["encoder"].role == "encoder"
+    # The one `kvferry up` runs anywhere: a Whisper the pods generate, both pools.
+    local = specs["whisper-service"]
+    assert (local.model.source, local.model.type) == ("demo-whisper", "encoder-decoder")
+    assert [(p.name, p.role) for p in local.pools.values()] == [("encoder", "encoder"),
+                                                                ("decode", "decode")]
+    assert local.pools["encoder"].autoscaling.metrics[0].name == \
+        "kvferry:num_requests_waiting_for_encoder"  # type: ignore[union-attr]
 
 
 def test_defaults_are_applied() -> None:
@@ -48,11 +55,39 @@ def test_defaults_are_applied() -> None:
     assert (spec.kv_transfer.lease_seconds, spec.kv_transfer.failure_policy) == (30, "recompute")
 
 
+def test_each_pool_scales_on_its_own_queue_unless_told_otherwise() -> None:
+    """The encoder pool's HPA watches requests waiting for their encoder, the others the
+    engine's waiting queue; metrics given in the spec are kept as given."""
+    scaling = {"autoscaling": {"maxReplicas": 4}}
+    given = {"autoscaling": {"maxReplicas": 4, "metrics": [
+        {"name": "vllm:num_requests_running", "targetAverageValue": "500m"}]}}
+    spec = parse_spec(service(minimal(model={"source": "demo", "type": "encoder-decoder"},
+                                      pools={"encoder": scaling, "prefill": scaling,
+                                             "decode": given})))
+    metrics = {name: [(m.name, m.target_average_value) for m in pool.autoscaling.metrics]
+               for name, pool in spec.pools.items() if pool.autoscaling is not None}
+    assert metrics == {"encoder": [("kvferry:num_requests_waiting_for_encoder", "4")],
+                       "prefill": [("vllm:num_requests_waiting", "4")],
+                       "decode": [("vllm:num_requests_running", "500m")]}
+    # The CRD sets no default of its own (it would be one for every pool).
+    defaulted, errors = admit(service(minimal(pools={"decode": scaling})))
+    assert errors == [] and "metrics" not in defaulted["spec"]["pools"]["decode"]["autoscaling"]
+    with pytest.raises(SpecError, match="metrics"):
+        parse_spec(service(minimal(pools={"decode": {"autoscaling": {"maxReplicas": 4,
+                                                                      "metrics": []}}})))
+
+
 def test_roles_follow_the_pools() -> None:
     spec = parse_spec(service(minimal(pools={"prefill": {}, "decode": {}})))
     assert [(p.name, p.role) for p in spec.pools.values()] == [("prefill", "prefill"), ("decode", "decode")]
     assert spec.is_disaggregated
     assert spec.router.routing == {"prefill": "prefix-aware", "decode": "least-loaded"}
+    encdec = {"source": "demo-whisper", "type": "encoder-decoder"}
+    spec = parse_spec(service(minimal(model=encdec, pools={"encoder": {}, "decode": {}})))
+    assert [(p.name, p.role) for p in spec.pools.values()] == [("encoder", "encoder"),
+                                                                ("decode", "decode")]
+    spec = parse_spec(service(minimal(model=encdec, pools={"decode": {}})))
+    assert [(p.name, p.role) for p in spec.pools.values()] == [("decode", "both")]
 
 
 def _with(path: str, value: Any) -> dict[str, Any]:
@@ -87,11 +122,15 @@ INVALID = [
 CEL_INVALID = [
     (_with("pools.decode", {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}),
      "spec.pools.decode.autoscaling.minReplicas: autoscaling.minReplicas must be <= autoscaling.maxReplicas"),
-    (_with("pools.encoder", {}), "spec.pools.encoder: spec.pools.encoder needs an encoder-decoder model"),
+    (_with("pools.encoder", {}), "spec.pools.encoder: spec.pools.encoder runs the encoder of an "
+     "encoder-decoder model (BART, Whisper), and spec.model.type is decoder-only: set "
+     "spec.model.type: encoder-decoder, or drop the encoder pool"),
     (_with("redis", {"url": "redis://r:6379", "urlSecret": {"name": "s"}}), "spec.redis takes url or urlSecret, not both"),
     (_with("ingress", {"tls": {"secretName": "t"}}), "spec.ingress.tls: spec.ingress.tls needs spec.ingress.host"),
     (_with("router", {"routing": {"prefill": "prefix-aware"}}), "there is no spec.pools.prefill"),
     (_with("router", {"routing": {"encoder": "round-robin"}}), "there is no spec.pools.encoder"),
+    (_with("model", {"source": "demo-whisper"}), "spec.model.type: demo-bart and demo-whisper "
+     "are encoder-decoder models: set spec.model.type: encoder-decoder"),
     ({**_with("engine", {"tensorParallelSize": 2, "pipelineParallelSize": 2}),
       "pools": {"decode": {"resources": {"limits": {"nvidia.com/gpu": 2}}}}},
      "spec.pools.decode.resources: nvidia.com/gpu must be at least engine.tensorParallelSize x "

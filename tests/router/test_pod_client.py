@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import httpx
 import pytest
-from kvferry.router.pod_client import HopTimeout, PodClient, PodUnreachable
+from kvferry.router.pod_client import HopTimeout, PodClient, PodConnection, PodUnreachable
 from kvferry_testing.procs import Proc, fake_engine, free_port
 
 STREAM_BODY = json.dumps({"model": "fake", "prompt": "p", "stream": True}).encode()
@@ -345,3 +345,93 @@ def test_a_connection_handed_to_a_hop_cancelled_meanwhile_goes_back_to_the_pool(
             server.close()
 
     assert run(body, max_connections=1) == (200, 1, 1, 0)
+
+
+def test_a_body_of_buffers_arrives_whole_and_is_written_as_the_pod_reads_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An upload given as views of the router's one copy: the pod gets exactly their bytes
+    with the right length, and while it reads slowly the transport never holds more than
+    a slice or two of it (no second copy of the whole body)."""
+    upload = bytearray(bytes(range(256)) * (24 * 1024))  # 6 MiB
+    parts = [b"--head--", memoryview(upload)[:1000], memoryview(upload)[1000:]]
+    expected = b"--head--" + bytes(upload)
+    opened: list[PodConnection] = []
+    connection_made = PodConnection.connection_made
+
+    def record(conn: PodConnection, transport: asyncio.BaseTransport) -> None:
+        opened.append(conn)
+        connection_made(conn, transport)
+
+    monkeypatch.setattr(PodConnection, "connection_made", record)
+
+    async def body(client: PodClient) -> tuple[bytes, int, int]:
+        got = asyncio.get_running_loop().create_future()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+            data = b""
+            while len(data) < length:
+                data += await reader.read(64 * 1024)
+                await asyncio.sleep(0.002)  # a pod that reads slowly
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+            got.set_result(data)
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        largest = 0
+
+        async def watch() -> None:
+            nonlocal largest
+            while True:
+                for conn in opened:
+                    if conn.transport is not None:
+                        largest = max(largest, conn.transport.get_write_buffer_size())
+                await asyncio.sleep(0.001)
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            response = await client.post(f"http://127.0.0.1:{port}", "/upload", parts,
+                                         HEADERS, TIMEOUT)
+            answer = await response.read()
+            response.release()
+            assert answer == b"ok"
+            return await asyncio.wait_for(got, 10), largest, client.num_open(
+                f"http://127.0.0.1:{port}")
+        finally:
+            watcher.cancel()
+            server.close()
+
+    data, largest, num_open = run(body)  # type: ignore[misc]
+    assert data == expected
+    assert 0 < largest <= 2 * 256 * 1024, largest
+    assert num_open == 1  # answered after the whole body: the connection is kept
+
+
+def test_a_pod_that_answers_before_the_whole_body_gets_no_more_of_it() -> None:
+    """A refusal sent while the body is still going out (a pod's 413) is the answer; the
+    rest is not written and the connection, its request cut short, is not reused."""
+    parts = [memoryview(bytearray(8 * 1024 * 1024))]
+
+    async def body(client: PodClient) -> tuple[int, bytes, int]:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.read(1024)
+            writer.write(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 3\r\n\r\nbig")
+            await writer.drain()
+            await asyncio.sleep(1.0)  # keeps the socket open, reading nothing more
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            response = await client.post(f"http://127.0.0.1:{port}", "/upload", parts,
+                                         HEADERS, TIMEOUT)
+            answer = await response.read()
+            response.release()
+            return response.status, answer, client.num_open(f"http://127.0.0.1:{port}")
+        finally:
+            server.close()
+
+    assert run(body) == (413, b"big", 0)

@@ -31,7 +31,7 @@ def listed_names() -> list[str]:
 
 def test_every_router_metric_is_in_the_readme_with_its_labels() -> None:
     listed = listed_names()
-    assert len(listed) == 16 and "`kvferry:router_registry_rejected_total{reason}`" in listed
+    assert len(listed) == 19 and "`kvferry:router_registry_rejected_total{reason}`" in listed
     for name in listed:
         assert name in README, f"README does not list {name}"
 

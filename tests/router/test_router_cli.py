@@ -176,3 +176,23 @@ def test_the_embeds_body_limit_comes_from_the_flag_or_the_environment(
     monkeypatch.setenv("KVFERRY_MAX_EMBEDS_BODY_BYTES", "lots")
     with pytest.raises(SystemExit):  # a usage error, as a bad flag
         limit(plain)
+
+
+def test_the_audio_body_limit_and_the_encode_timeout_come_from_their_flags() -> None:
+    env = {"KVFERRY_REDIS_URL": "redis://r:6379/0"}
+    plain = ["router", "--service", "s"]
+
+    def settings(*flags: str) -> Any:
+        argv = [*plain, *flags]
+        return settings_from_args(build_parser(argv).parse_args(argv), env)
+
+    default = settings()
+    # The pods' own default (--max-audio-body-bytes of `kvferry serve`), OpenAI's 25 MiB.
+    assert default.max_audio_body_bytes == 25 * 1024 * 1024
+    assert default.timeouts.encode_s == 120.0
+    given = settings("--max-audio-body-bytes", "1000000", "--encode-timeout", "7.5")
+    assert (given.max_audio_body_bytes, given.timeouts.encode_s) == (1_000_000, 7.5)
+    with pytest.raises(ValueError, match="--max-audio-body-bytes must be >= 1024"):
+        settings("--max-audio-body-bytes", "10")
+    with pytest.raises(ValueError, match="HopTimeouts.encode_s must be > 0"):
+        settings("--encode-timeout", "0")

@@ -11,7 +11,7 @@ blocks when idle."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -43,10 +43,13 @@ def bart_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(server_factory: Callable[..., ServerProcess], bart_path: Path) -> ServerProcess:
-    return server_factory(bart_path, "--served-model-name", "bart",
+def server(server_factory: Callable[..., ServerProcess], bart_path: Path) -> Iterator[ServerProcess]:
+    # Stopped with the module: servers of the whole session would not fit in memory.
+    server = server_factory(bart_path, "--served-model-name", "bart",
                           "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE),
                           "--dtype", "float32", "--device", "cpu", "--enable-prefix-caching")
+    yield server
+    server.kill_group()
 
 
 @pytest.fixture(scope="module")

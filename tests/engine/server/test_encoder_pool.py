@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 import json
 import wave
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +51,30 @@ def _pods(server_factory: Callable[..., ServerProcess], model: Path, *extra: str
 
 
 @pytest.fixture(scope="module")
-def bart_pods(server_factory, bart) -> dict[str, ServerProcess]:
-    return _pods(server_factory, bart)
+def bart_pods(server_factory, bart) -> Iterator[dict[str, ServerProcess]]:
+    pods = _pods(server_factory, bart)
+    yield pods
+    _stop(pods)
+
+
+@pytest.fixture
+def pods_of(server_factory) -> Iterator[Callable[..., dict[str, ServerProcess]]]:
+    """_pods for one test, stopped when it ends."""
+    started: list[dict[str, ServerProcess]] = []
+
+    def start(model: Path, *extra: str, policy: str = "recompute") -> dict[str, ServerProcess]:
+        started.append(_pods(server_factory, model, *extra, policy=policy))
+        return started[-1]
+
+    yield start
+    for pods in started:
+        _stop(pods)
+
+
+def _stop(pods: dict[str, ServerProcess]) -> None:
+    """Servers a test started go with it (the session's would not fit in memory)."""
+    for server in pods.values():
+        server.kill_group()
 
 
 def complete(server: ServerProcess, prompt: str, params: dict[str, Any] | None = None,
@@ -179,8 +201,8 @@ def transcribe(server: ServerProcess, audio: bytes,
                       files={"file": ("a.wav", audio, "audio/wav")}, timeout=TIMEOUT_S)
 
 
-def test_whisper_through_the_encoder_pod_equals_colocated(server_factory, whisper) -> None:
-    pods = _pods(server_factory, whisper)
+def test_whisper_through_the_encoder_pod_equals_colocated(pods_of, whisper) -> None:
+    pods = pods_of(whisper)
     rng = np.random.default_rng(3)
     t = np.arange(24000) / 16000
     audio = _wav(0.4 * np.sin(2 * np.pi * 440 * t) + 0.05 * rng.standard_normal(t.shape))
@@ -212,8 +234,8 @@ def test_an_unpulled_hold_ends_at_its_lease(bart_pods) -> None:
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_the_encoder_pod_killed_before_the_pull(server_factory, bart, policy) -> None:
-    pods = _pods(server_factory, bart, policy=policy)
+def test_the_encoder_pod_killed_before_the_pull(pods_of, bart, policy) -> None:
+    pods = pods_of(bart, policy=policy)
     prompt = "its encoder pod dies before the pull"
     expected = text(complete(pods["colocated"], prompt))
     params = encode(pods["encoder"], prompt)
@@ -233,9 +255,9 @@ def test_the_encoder_pod_killed_before_the_pull(server_factory, bart, policy) ->
     assert metric(pods["decode"], "kvferry:num_requests_waiting_for_remote_kv") == 0
 
 
-def test_a_client_cancelling_during_the_pull_frees_both_sides(server_factory, bart) -> None:
+def test_a_client_cancelling_during_the_pull_frees_both_sides(pods_of, bart) -> None:
     # A lease far longer than the test: only the decode pod's free can end the hold in time.
-    pods = _pods(server_factory, bart, "--kv-lease-seconds", "60")
+    pods = pods_of(bart, "--kv-lease-seconds", "60")
     prompt = "a client gives up while its cross blocks are on the way"
     params = encode(pods["encoder"], prompt)
     held = metric(pods["encoder"], "kvferry:kv_blocks_held_for_transfer")

@@ -150,3 +150,31 @@ def test_a_loop_wedged_past_the_stall_limit_lets_the_record_expire_until_it_runs
     assert last < time.time() - REGISTRY_TTL_S - 0.5
     after = records(watcher.samples, back - 0.3, back)
     assert after and all(r is not None and not r.is_leaving for r in after)
+
+
+def test_an_encoder_decoder_pod_publishes_its_encoder_and_cross_block_events(
+        redis_url: str, store: redis.Redis) -> None:
+    settings = registration_settings(redis_url, SERVICE, "decode", "127.0.0.1", 8000, None, KEY)
+    pod = PodRegistrar(replace(settings, pod="whisper"), "m", block_size=16,
+                       encoder_input="audio", max_encoder_len=1500)
+    steps = [SchedulerStats(stored_block_hashes=[b"d" * 32], stored_cross_hashes=[b"c" * 32]),
+             SchedulerStats(evicted_cross_hashes=[b"c" * 32]),
+             SchedulerStats(num_running_reqs=1)]  # no events: no batch
+
+    async def main() -> None:
+        pod.start()
+        for stats in steps:
+            pod.record_stats(stats, None)
+        await asyncio.sleep(0.4)
+        await pod.stop()
+
+    asyncio.run(main())
+    record = PodRecord.from_json(store.get(pod.key))  # type: ignore[arg-type]
+    assert (record.encoder_input, record.max_encoder_len) == ("audio", 1500)
+    assert check_record(record, KEY, time.time()) is None
+    batches = [KVEventBatch.from_fields(fields)
+               for _, fields in store.xrange(kv_events_key(SERVICE))]
+    mine = [b for b in batches if b.pod == "whisper"]
+    assert [(b.stored, b.cross_stored, b.cross_evicted) for b in mine] == [
+        ([], [], []), ([b"d" * 32], [b"c" * 32], []), ([], [], [b"c" * 32])]
+    assert all(check_batch(b, KEY) is None for b in mine)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import io
 import wave
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -43,11 +43,14 @@ def whisper_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(server_factory: Callable[..., ServerProcess], whisper_path: Path) -> ServerProcess:
-    return server_factory(whisper_path, "--served-model-name", "whisper",
+def server(server_factory: Callable[..., ServerProcess], whisper_path: Path) -> Iterator[ServerProcess]:
+    # Stopped with the module: servers of the whole session would not fit in memory.
+    server = server_factory(whisper_path, "--served-model-name", "whisper",
                           "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE),
                           "--dtype", "float32", "--device", "cpu", "--enable-prefix-caching",
                           "--max-audio-body-bytes", str(AUDIO_BODY_LIMIT))
+    yield server
+    server.kill_group()
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +148,19 @@ def test_every_response_format_equals_the_offline_api(
     assert (segment.start, segment.end, segment.text, segment.temperature) == (0.0, 1.2, text,
                                                                                0.0)
     assert segment.avg_logprob < 0
+
+
+def test_a_streamed_transcript_equals_the_offline_api(
+        client: openai.OpenAI, offline: LLM, whisper_path: Path) -> None:
+    data, samples = mono_wav(4, 1.5)
+    expected = offline_transcript(offline, samples, 16000, whisper_decoder_prompt(whisper_path))
+    events = list(client.audio.transcriptions.create(model="whisper", file=("a.wav", data),
+                                                     stream=True))
+    deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+    (done,) = [e for e in events if e.type == "transcript.text.done"]
+    assert events[-1] is done and len(deltas) > 1
+    assert "".join(deltas) == done.text == expected.text.strip()
+    assert done.usage is not None and done.usage.seconds == 1.5
 
 
 def test_a_44_1_khz_stereo_wav_equals_the_offline_api_of_its_mixed_samples(

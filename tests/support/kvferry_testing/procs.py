@@ -92,12 +92,13 @@ def redis_server(tmp: Path) -> Iterator[str]:
 
 
 def fake_engine(tmp: Path, redis_url: str, service: str, role: str, name: str,
-                env: dict[str, str] | None = None) -> Proc:
+                env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> Proc:
     """A fake pod registered as `name`; `env` adds to its environment (a KV transfer key:
-    it signs its record and KV events with it)."""
+    it signs its record and KV events with it); `args` to its command line (such as
+    `--encoder-input audio`)."""
     port = free_port()
     proc = Proc([sys.executable, "-m", "kvferry_testing.fake_engine", "--port", str(port),
-                 "--role", role, "--redis", redis_url, "--service", service],
+                 "--role", role, "--redis", redis_url, "--service", service, *args],
                 tmp / f"{name}.log", env={**(env or {}), "KVFERRY_POD_NAME": name})
     proc.port = port  # type: ignore[attr-defined]
     wait_http(f"http://127.0.0.1:{port}/ping", proc, 20)
