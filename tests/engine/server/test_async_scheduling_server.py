@@ -1,18 +1,33 @@
 """`kvferry serve --async-scheduling` answers the official `openai` client as a server
 without it does: the same completions and chats, streamed and not, one at a time and
-concurrently, and its KV cache is empty afterwards."""
+concurrently, and its KV cache is empty afterwards. A prefill and a decode pod with it
+serve prefill-then-decode (a held prefill, a pull) as a colocated server without it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import os
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
+from kvferry_testing.pd_pods import (
+    MAX_TOKENS,
+    prompt_of,
+    start_role,
+    text_of,
+    used_blocks,
+    wait_for,
+)
 from kvferry_testing.serve_helpers import API_KEY, ServerProcess
+
+# Children inherit this; UCX logs a line per refused connection otherwise.
+os.environ.setdefault("UCX_LOG_LEVEL", "fatal")
 
 # Every token decodes to one word: special tokens (EOS, <unk>) stay in the text.
 RAW = {"ignore_eos": True, "skip_special_tokens": False}
@@ -20,9 +35,13 @@ PROMPTS = ["w5 w6 w7", "w10 w11 w12 w13 w14", "w100", "w200 w3 w3 w3 w9", "w42 w
 
 
 @pytest.fixture(scope="module")
-def async_server(server_factory: Callable[..., ServerProcess], tiny_model: Path) -> ServerProcess:
-    return server_factory(tiny_model, "--served-model-name", "tiny", "--async-scheduling",
-                          api_key=API_KEY)
+def async_server(server_factory: Callable[..., ServerProcess],
+                 tiny_model: Path) -> Iterator[ServerProcess]:
+    # Stopped with the module: servers of the whole session would not fit in memory.
+    server = server_factory(tiny_model, "--served-model-name", "tiny", "--async-scheduling",
+                            api_key=API_KEY)
+    yield server
+    server.kill_group()
 
 
 def client_of(server: ServerProcess) -> openai.OpenAI:
@@ -120,3 +139,46 @@ def test_concurrent_requests_equal_a_server_without_async_scheduling(
     assert results[1] == results[0]
     async_server.wait_metric("vllm:kv_cache_usage_perc", 0.0)
     async_server.wait_metric("vllm:num_requests_running", 0.0)
+
+
+def test_prefill_then_decode_pods_with_async_scheduling_equal_a_colocated_server(
+    server_factory: Callable[..., ServerProcess], tiny_model: Path,
+    live_server: ServerProcess,
+) -> None:
+    prefill = start_role(server_factory, tiny_model, "prefill", "--async-scheduling")
+    decode = start_role(server_factory, tiny_model, "decode", "--async-scheduling")
+    try:
+        _check_prefill_then_decode(prefill, decode, live_server)
+    finally:  # stopped with the test: servers of the whole session would not fit in memory
+        prefill.kill_group()
+        decode.kill_group()
+
+
+def _check_prefill_then_decode(prefill: ServerProcess, decode: ServerProcess,
+                               live_server: ServerProcess) -> None:
+    prompts = [prompt_of(5 + 7 * i, 700 + i) for i in range(24)]
+
+    async def prefill_then_decode(client: httpx.AsyncClient, prompt: list[int]) -> str:
+        body = {"model": "tiny", "prompt": prompt, "temperature": 0.0, "ignore_eos": True}
+        first = await client.post(f"{prefill.url}/v1/completions", json={
+            **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        assert first.status_code == 200, first.text
+        params = first.json()["kv_transfer_params"]
+        second = await client.post(f"{decode.url}/v1/completions", json={
+            **body, "max_tokens": MAX_TOKENS, "kv_transfer_params": params})
+        assert second.status_code == 200, second.text
+        return second.json()["choices"][0]["text"]
+
+    async def run_all() -> list[str]:
+        async with httpx.AsyncClient(timeout=120.0) as client:
+            return await asyncio.gather(*(prefill_then_decode(client, p) for p in prompts))
+
+    texts = asyncio.run(run_all())
+    headers = live_server.headers
+    expected = [text_of(httpx.post(f"{live_server.url}/v1/completions", headers=headers, json={
+        "model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+        "ignore_eos": True}, timeout=60)) for p in prompts]
+    assert texts == expected
+    assert wait_for(lambda: used_blocks(prefill) == 0.0 and used_blocks(decode) == 0.0)
+    assert prefill.metric("kvferry:kv_blocks_held_for_transfer") == 0
+    assert decode.metric("kvferry:kv_transfer_bytes_total") > 0
