@@ -46,7 +46,19 @@ def _residual(
     return norm(hidden_states + block(hidden_states))
 
 
-class SelfAttention(nn.Module):
+class _HeadsAttention(nn.Module):
+    """What both attentions share: the head split, the softmax scale and the backend."""
+
+    def __init__(self, hidden_size: int, num_heads: int, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_size = hidden_size // num_heads
+        self.hidden_size = hidden_size
+        self.scale = self.head_size**-0.5
+        self.attn_backend = attn_backend
+
+
+class SelfAttention(_HeadsAttention):
     """Fused q/k/v projection, backend attention, output projection, all with bias (Whisper
     has none on keys: that block stays zero).
 
@@ -62,12 +74,7 @@ class SelfAttention(nn.Module):
         *,
         dtype: torch.dtype,
     ) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.head_size = hidden_size // num_heads
-        self.hidden_size = hidden_size
-        self.scale = self.head_size**-0.5
-        self.attn_backend = attn_backend
+        super().__init__(hidden_size, num_heads, attn_backend)
         size = hidden_size
         self.qkv_proj = Linear(hidden_size, [size, size, size], bias=True, dtype=dtype)
         self.out_proj = Linear(size, [hidden_size], bias=True, dtype=dtype)
@@ -87,7 +94,7 @@ class SelfAttention(nn.Module):
         return self.out_proj(out.reshape(num_tokens, self.hidden_size))
 
 
-class CrossAttention(nn.Module):
+class CrossAttention(_HeadsAttention):
     """A decoder's queries over the encoder output's keys and values, read from the
     request's cross blocks; `write_kv` projects the encoder output and stores them there."""
 
@@ -99,12 +106,7 @@ class CrossAttention(nn.Module):
         *,
         dtype: torch.dtype,
     ) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.head_size = hidden_size // num_heads
-        self.hidden_size = hidden_size
-        self.scale = self.head_size**-0.5
-        self.attn_backend = attn_backend
+        super().__init__(hidden_size, num_heads, attn_backend)
         size = hidden_size
         self.q_proj = Linear(hidden_size, [size], bias=True, dtype=dtype)
         self.kv_proj = Linear(hidden_size, [size, size], bias=True, dtype=dtype)
