@@ -40,10 +40,11 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from kvferry.engine.config import CacheConfig, SchedulerConfig
 from kvferry.engine.core.kv_cache import KVCacheManager
 from kvferry.engine.core.request import Request
+from kvferry.engine.core.scheduler import Scheduler
+from kvferry.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvferry.engine.runner.async_output import AsyncModelRunnerOutput, PendingTokens
 from kvferry.engine.runner.input_batch import InputBatch
 from kvferry.engine.runner.model_runner import ModelRunner
@@ -51,8 +52,6 @@ from kvferry.engine.runner.prepare_inputs import InputBuffers, PreparedInputs, p
 from kvferry.engine.runner.step_staging import StepStaging
 from kvferry.engine.sample.sampler import SamplerOutput
 from kvferry.engine.sampling_params import SamplingParams
-from kvferry.engine.core.scheduler import Scheduler
-from kvferry.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 TARGET_MS = 1.0
 MAX_NUM_SEQS = 256
@@ -119,7 +118,7 @@ class HostRunner:
         runner.staging = StepStaging(MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, runner.device)
         runner.requests = {}
         runner._scoring_prompts = set()
-        runner.pending = PendingTokens(runner.input_batch, runner.device)
+        runner.pending = PendingTokens(runner.input_batch)
         runner.arch = _ArchStub(VOCAB_SIZE)
         self.runner = runner
 

@@ -12,8 +12,9 @@ and output messages then run while the device computes, and N+1 is queued before
 the device does not wait for the host between steps. Steps that need N's tokens on the host
 before they launch fall back to the synchronous order (N is updated first): a step in which
 a request under a grammar samples (its bitmask follows N's token), and a step with nothing
-to compute. On the CPU the device is the host, so the overlap saves nothing there; the same
-code runs, which is what the CPU tests check (scheduler/in_flight.py, runner/async_output.py).
+to compute (the runner itself waits for N's tokens in a step with penalty rows). On the CPU
+the device is the host, so the overlap saves nothing there; the same code runs, which is
+what the CPU tests check (core/in_flight.py, runner/async_output.py).
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvferry.engine.config import SchedulerConfig
-from kvferry.engine.core.kv_cache import KVCacheBlock, KVCacheManager
 from kvferry.engine.core.in_flight import InFlightSteps
+from kvferry.engine.core.kv_cache import KVCacheBlock, KVCacheManager
 from kvferry.engine.core.kv_connector import KVConnectorSchedulerBase
 from kvferry.engine.core.messages import EngineCoreOutput, FinishReason, SchedulerStats
 from kvferry.engine.core.remote_kv import RemoteKV

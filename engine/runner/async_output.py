@@ -148,9 +148,8 @@ _req_id = attrgetter("req_id")
 class PendingTokens:
     """The runner's steps whose sampled tokens are not on the host yet."""
 
-    def __init__(self, batch: InputBatch, device: torch.device) -> None:
+    def __init__(self, batch: InputBatch) -> None:
         self.batch = batch
-        self.device = device
         # Unresolved steps, oldest first (one while the engine core keeps one step in flight).
         self.steps: list[InFlightSamples] = []
 

@@ -121,7 +121,7 @@ class ModelRunner:
         self.staging = StepStaging(max_num_batched_tokens, max_num_reqs, device)
         self.sampler = Sampler()
         # Async scheduling: sampled tokens still on the device (async_output.py).
-        self.pending = PendingTokens(self.input_batch, device)
+        self.pending = PendingTokens(self.input_batch)
         # Every request the runner knows, in the batch or not (unscheduled this step).
         self.requests: dict[str, CachedRequestState] = {}
         # Requests whose prompt logprobs are still to be computed (prompt_logprobs asked,
@@ -199,7 +199,8 @@ class ModelRunner:
                             ) -> AsyncModelRunnerOutput:
         """`execute_model` for async scheduling: the sampled tokens stay on the device (the
         next step's inputs are filled from there) and `result()` reads them on the host
-        (async_output.py). On a GPU this returns once the step is queued."""
+        (async_output.py). On a GPU it does not wait for the step's results (only for
+        what a copy from pageable memory waits for: the work queued before it)."""
         rows, states, sampler_output, prompt_logprobs = self._execute(
             scheduler_output, grammar_bitmask, deferred=True)
         if sampler_output is None:

@@ -6,6 +6,7 @@ serve prefill-then-decode (a held prefill, a pull) as a colocated server without
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +16,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-
 from kvferry_testing.pd_pods import (
     MAX_TOKENS,
     prompt_of,
@@ -63,6 +63,10 @@ def completion(client: openai.OpenAI, **kwargs: Any) -> list[tuple]:
             for c in choices] + [(out.usage.prompt_tokens, out.usage.completion_tokens)]
 
 
+def _completion_of(client: openai.OpenAI, case: dict[str, Any]) -> list[tuple]:
+    return completion(client, **case)
+
+
 def streamed_completion(client: openai.OpenAI, **kwargs: Any) -> tuple:
     chunks = list(client.completions.create(model="tiny", stream=True,
                                             stream_options={"include_usage": True}, **kwargs))
@@ -80,10 +84,10 @@ def test_completions_equal_a_server_without_async_scheduling(
     clients: list[openai.OpenAI],
 ) -> None:
     cases = [
-        dict(prompt=PROMPTS, max_tokens=12, temperature=0),
-        dict(prompt="w5 w6 w7", max_tokens=10, n=2, temperature=1.0, seed=3, extra_body=RAW),
-        dict(prompt="w10 w11", max_tokens=6, temperature=0, logprobs=3, extra_body=RAW),
-        dict(prompt="w200 w3", max_tokens=1, temperature=0, extra_body=RAW),
+        {"prompt": PROMPTS, "max_tokens": 12, "temperature": 0},
+        {"prompt": "w5 w6 w7", "max_tokens": 10, "n": 2, "temperature": 1.0, "seed": 3, "extra_body": RAW},
+        {"prompt": "w10 w11", "max_tokens": 6, "temperature": 0, "logprobs": 3, "extra_body": RAW},
+        {"prompt": "w200 w3", "max_tokens": 1, "temperature": 0, "extra_body": RAW},
     ]
     for case in cases:
         expected, actual = (completion(c, **case) for c in clients)
@@ -96,8 +100,8 @@ def test_stop_strings_streamed_and_not_equal_a_server_without_async_scheduling(
     free = clients[0].completions.create(model="tiny", prompt="w5 w6 w7", max_tokens=10,
                                          temperature=0, extra_body=RAW)
     stop_word = free.choices[0].text.split()[3]
-    case = dict(prompt="w5 w6 w7", max_tokens=10, temperature=0, stop=[stop_word],
-                extra_body=RAW)
+    case = {"prompt": "w5 w6 w7", "max_tokens": 10, "temperature": 0, "stop": [stop_word],
+                "extra_body": RAW}
     expected, actual = (completion(c, **case) for c in clients)
     assert actual == expected and expected[0][2] == "stop"
     expected, actual = (streamed_completion(c, **case) for c in clients)
@@ -107,7 +111,7 @@ def test_stop_strings_streamed_and_not_equal_a_server_without_async_scheduling(
 def test_streamed_completions_and_chats_equal_a_server_without_async_scheduling(
     clients: list[openai.OpenAI],
 ) -> None:
-    case = dict(prompt=PROMPTS[:3], max_tokens=9, temperature=0.8, seed=7, extra_body=RAW)
+    case = {"prompt": PROMPTS[:3], "max_tokens": 9, "temperature": 0.8, "seed": 7, "extra_body": RAW}
     expected, actual = (streamed_completion(c, **case) for c in clients)
     assert actual == expected and len(expected[0]) == 3
     messages = [{"role": "system", "content": "w3 w4"}, {"role": "user", "content": "w5 w6"}]
@@ -130,12 +134,12 @@ def test_concurrent_requests_equal_a_server_without_async_scheduling(
 ) -> None:
     # Greedy and seeded requests in flight together share steps; their answers depend on
     # nothing else in the batch.
-    cases = [dict(prompt=p, max_tokens=8 + i, temperature=0 if i % 2 else 1.0, seed=i,
-                  extra_body=RAW) for i, p in enumerate(PROMPTS * 2)]
+    cases = [{"prompt": p, "max_tokens": 8 + i, "temperature": 0 if i % 2 else 1.0, "seed": i,
+                  "extra_body": RAW} for i, p in enumerate(PROMPTS * 2)]
     results = []
     for client in clients:
         with ThreadPoolExecutor(len(cases)) as pool:
-            results.append(list(pool.map(lambda case: completion(client, **case), cases)))
+            results.append(list(pool.map(functools.partial(_completion_of, client), cases)))
     assert results[1] == results[0]
     async_server.wait_metric("vllm:kv_cache_usage_perc", 0.0)
     async_server.wait_metric("vllm:num_requests_running", 0.0)
