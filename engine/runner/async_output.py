@@ -118,6 +118,16 @@ class InFlightSamples:
     prompt_logprobs: PromptLogprobs = field(default_factory=dict)
     # Set once the tokens are on the host.
     output: ModelRunnerOutput | None = None
+    # Whether a new request took the id of one of these rows' requests (which ended, or
+    # was preempted) since: rows are then matched by state, not only by id.
+    ids_reused: bool = False
+    _id_set: set[str] | None = None
+
+    def note_new_requests(self, req_ids: list[str]) -> None:
+        if self._id_set is None:
+            self._id_set = set(self.req_ids)
+        if not self._id_set.isdisjoint(req_ids):
+            self.ids_reused = True
 
 
 class AsyncModelRunnerOutput:
@@ -155,6 +165,12 @@ class PendingTokens:
 
     def __bool__(self) -> bool:
         return bool(self.steps)
+
+    def note_new_requests(self, req_ids: list[str]) -> None:
+        """New request states enter the batch under these ids (a request new to the
+        runner, or back after preemption)."""
+        for step in self.steps:
+            step.note_new_requests(req_ids)
 
     # ------------------------------------------------------------------ after sampling
     def defer(self, states: list[CachedRequestState], rows: list[int], output: SamplerOutput,
@@ -224,9 +240,11 @@ class PendingTokens:
         num = len(step.req_ids)
         rows = np.fromiter(map(batch.req_id_to_index.get, step.req_ids, repeat(-1, num)),
                            np.int64, num)
-        # Identity by id(): the state objects of the step are alive (it holds them).
-        now = np.fromiter(map(id, map(batch.states.__getitem__, rows.tolist())), np.uint64, num)
-        rows[now != np.fromiter(map(id, step.states), np.uint64, num)] = -1
+        if step.ids_reused:
+            # Identity by id(): the state objects of the step are alive (it holds them).
+            now = np.fromiter(map(id, map(batch.states.__getitem__, rows.tolist())), np.uint64,
+                              num)
+            rows[now != np.fromiter(map(id, step.states), np.uint64, num)] = -1
         return rows
 
     def resolve_all(self) -> None:

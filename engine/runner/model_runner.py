@@ -382,6 +382,8 @@ class ModelRunner:
         # Rows not scheduled this step leave the batch (their state is kept).
         unscheduled = set(batch.active_req_ids).difference(so.num_scheduled_tokens)
         batch.remove_requests(gone | unscheduled)
+        if self.pending and so.scheduled_new_reqs:
+            self.pending.note_new_requests([new.req_id for new in so.scheduled_new_reqs])
         for new in so.scheduled_new_reqs:
             state = CachedRequestState(
                 req_id=new.req_id,

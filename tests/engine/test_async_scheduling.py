@@ -322,7 +322,8 @@ def test_a_request_that_stops_drops_the_token_of_the_step_behind_it(checkpoint: 
 def test_a_reused_request_id_gets_none_of_the_old_requests_tokens(checkpoint: Path) -> None:
     prompt = [40, 41, 42, 43, 44]
     ref = reference_tokens(checkpoint, prompt, 12)
-    fresh_prompt = [90, 91, 92]
+    # Longer than the old request got: its positions cover those of the old tokens.
+    fresh_prompt = list(range(90, 102))
     expected = reference_tokens(checkpoint, fresh_prompt, 5)
     engine = make_engine(checkpoint, True)
     engine.add_request("x", {"prompt_token_ids": prompt},
