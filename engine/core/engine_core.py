@@ -9,12 +9,13 @@ With async scheduling (`SchedulerConfig.async_scheduling`) one step stays in fli
 `step()` schedules and launches step N+1, then waits for step N, which the device computed
 meanwhile, and returns N's outputs. On a GPU the host's scheduling, bookkeeping, stop checks
 and output messages then run while the device computes, and N+1 is queued before N ends, so
-the device does not wait for the host between steps. Steps that need N's tokens on the host
-before they launch fall back to the synchronous order (N is updated first): a step in which
-a request under a grammar samples (its bitmask follows N's token), and a step with nothing
-to compute (the runner itself waits for N's tokens in a step with penalty rows). On the CPU
-the device is the host, so the overlap saves nothing there; the same code runs, which is
-what the CPU tests check (core/in_flight.py, runner/async_output.py).
+the device does not wait for the host between steps. A step whose sampling needs N's tokens
+on the host (a request under a grammar samples: its bitmask follows N's token; a row with a
+penalty samples: its counts are built on the host) is launched in two halves: its forward
+pass, then N is read back and updated, then its sampling, so the host's work still runs
+while the device computes the forward pass. A step with nothing to compute updates N first.
+On the CPU the device is the host, so the overlap saves nothing there; the same code runs,
+which is what the CPU tests check (core/in_flight.py, runner/async_output.py).
 """
 
 from __future__ import annotations
@@ -254,14 +255,18 @@ class EngineCore:
             self.kv_connector.start_transfers()
         queue_times = self._queue_times(scheduler_output)
         previous, self._in_flight = self._in_flight, None
-        overlaps = (scheduler_output.total_num_scheduled_tokens > 0
-                    and not scheduler_output.grammar_req_ids)
-        if previous is not None and not overlaps:
-            outputs += self._finish_step(*previous)
-            previous = None
-        bitmask = self._start_bitmask(scheduler_output)
         try:
-            launched = self.runner.execute_model_async(scheduler_output, bitmask)
+            forward = self.runner.forward_async(scheduler_output)
+            if previous is not None and (
+                not scheduler_output.total_num_scheduled_tokens
+                or scheduler_output.grammar_req_ids or forward.reads_host_outputs
+            ):
+                # Sampling needs the previous step's tokens on the host: read them back
+                # while the device runs this step's forward pass.
+                finished, previous = previous, None
+                outputs += self._finish_step(*finished)
+            bitmask = self._start_bitmask(scheduler_output)
+            launched = self.runner.sample_async(forward, bitmask)
         except Exception as exc:  # noqa: BLE001 - one bad step must not take every request down
             if previous is not None:
                 outputs += self._finish_step(*previous)
@@ -278,8 +283,8 @@ class EngineCore:
 
     def _start_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
         """The step's grammar bitmask, filled on a worker thread while the model runs; None
-        in a step without grammars. With async scheduling the previous step was updated
-        first, and a request its token ended is left out (its row's token is dropped)."""
+        in a step without grammars. The previous step was updated first: a request its
+        token ended is left out (its row's token is dropped)."""
         req_ids = scheduler_output.grammar_req_ids
         if not req_ids:
             return None

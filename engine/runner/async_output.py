@@ -17,10 +17,12 @@ before N+1 can start; instead:
    placeholders (state and table, wherever the row is now) and returns N's
    `ModelRunnerOutput`.
 
-What needs a token's value on the host falls back to waiting for it: a step in which a row
-with a presence, frequency or repetition penalty samples resolves the pending tokens first
-(the penalties count tokens on the host), and so does a step whose grammar bitmask needs
-them (the engine core waits for step N before it starts N+1's bitmask).
+What needs a token's value on the host waits for it, but only after the forward pass is
+queued: a step runs in two halves, `forward_async` (the batch, the inputs, the model up to
+the logits) and `sample_async`. When a row under a grammar or with a presence, frequency or
+repetition penalty samples, the engine core reads step N back between the two: N's tokens
+advance the grammars that fill N+1's bitmask, and the penalties count them on the host,
+while the device computes N+1's forward pass.
 
 On the CPU the same code runs, the device being the CPU: the placeholders, the fill of the
 inputs from the previous step's tensor and the deferred host writes are what the CPU tests
@@ -36,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from kvferry.engine.core.scheduler_output import ModelRunnerOutput
+from kvferry.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvferry.engine.runner.input_batch import CachedRequestState, InputBatch
 
 if TYPE_CHECKING:
@@ -95,6 +97,25 @@ def logprobs_lists(
         entries += [(ids[i][j], values[i][j], j) for j in range(1, wanted + 1)]
         result.append(entries)
     return result
+
+
+@dataclass(eq=False)
+class ForwardPass:
+    """A step run up to its logits, and what sampling them needs."""
+
+    scheduler_output: SchedulerOutput
+    # Rows that sample this step and their request states, in logits-row order.
+    rows: list[int] = field(default_factory=list)
+    states: list[CachedRequestState] = field(default_factory=list)
+    # (len(rows), vocab_size) on the device; None when no row samples.
+    logits: torch.Tensor | None = None
+    prompt_logprobs: PromptLogprobs = field(default_factory=dict)
+
+    @property
+    def reads_host_outputs(self) -> bool:
+        """Whether sampling reads the values of the rows' outputs on the host (presence,
+        frequency and repetition penalties count them)."""
+        return any(state.sampling_params.has_penalties for state in self.states)
 
 
 @dataclass(eq=False)

@@ -27,9 +27,9 @@ from kvferry.engine.models.encoder_decoder import EncoderBatch
 from kvferry.engine.models.loader import load_model
 from kvferry.engine.runner.async_output import (
     AsyncModelRunnerOutput,
+    ForwardPass,
     HostLogprobs,
     PendingTokens,
-    PromptLogprobs,
     logprobs_lists,
     pack_for_host,
     unpack_on_host,
@@ -184,16 +184,15 @@ class ModelRunner:
                       grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
         """Runs the step; `grammar_bitmask` (being filled on another thread while the model
         runs) constrains the rows of requests under a grammar."""
-        rows, states, sampler_output, prompt_logprobs = self._execute(
-            scheduler_output, grammar_bitmask, deferred=False)
-        if sampler_output is None:
+        forward = self._forward(scheduler_output, deferred=False)
+        if forward.logits is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[],
-                                     prompt_logprobs=prompt_logprobs)
-        output = self._record_samples(rows, states, sampler_output)
-        output.prompt_logprobs = prompt_logprobs
+                                     prompt_logprobs=forward.prompt_logprobs)
+        output = self._record_samples(forward.rows, forward.states,
+                                      self._sample(forward, grammar_bitmask))
+        output.prompt_logprobs = forward.prompt_logprobs
         return output
 
-    @torch.inference_mode()
     def execute_model_async(self, scheduler_output: SchedulerOutput,
                             grammar_bitmask: GrammarBitmask | None = None
                             ) -> AsyncModelRunnerOutput:
@@ -201,26 +200,40 @@ class ModelRunner:
         next step's inputs are filled from there) and `result()` reads them on the host
         (async_output.py). On a GPU it does not wait for the step's results (only for
         what a copy from pageable memory waits for: the work queued before it)."""
-        rows, states, sampler_output, prompt_logprobs = self._execute(
-            scheduler_output, grammar_bitmask, deferred=True)
-        if sampler_output is None:
-            return AsyncModelRunnerOutput.ready(ModelRunnerOutput(
-                req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs))
-        return self.pending.defer(states, rows, sampler_output, prompt_logprobs)
+        return self.sample_async(self.forward_async(scheduler_output), grammar_bitmask)
 
-    def _execute(
-        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None,
-        deferred: bool,
-    ) -> tuple[list[int], list[CachedRequestState], SamplerOutput | None, PromptLogprobs]:
-        """Updates the batch, runs the model and samples: the sampled rows, their states,
-        the sampler's output (None when no row samples) and the prompt logprobs.
+    @torch.inference_mode()
+    def forward_async(self, scheduler_output: SchedulerOutput) -> ForwardPass:
+        """The first half of `execute_model_async`: the batch updated, its inputs filled
+        from the steps in flight, the model run up to the logits. Nothing here needs the
+        previous step's tokens on the host, so it may be queued before they are read."""
+        return self._forward(scheduler_output, deferred=True)
+
+    @torch.inference_mode()
+    def sample_async(self, forward: ForwardPass,
+                     grammar_bitmask: GrammarBitmask | None = None) -> AsyncModelRunnerOutput:
+        """The second half: samples the forward pass's rows and leaves the tokens on the
+        device. Rows with penalties count the outputs' values on the host: with tokens of
+        a step still pending, it waits for them first (the engine core reads the previous
+        step back before this when `forward.reads_host_outputs`)."""
+        if forward.logits is None:
+            return AsyncModelRunnerOutput.ready(ModelRunnerOutput(
+                req_ids=[], sampled_token_ids=[], prompt_logprobs=forward.prompt_logprobs))
+        if self.pending and forward.reads_host_outputs:
+            self.pending.resolve_all()
+        return self.pending.defer(forward.states, forward.rows,
+                                  self._sample(forward, grammar_bitmask),
+                                  forward.prompt_logprobs)
+
+    def _forward(self, scheduler_output: SchedulerOutput, deferred: bool) -> ForwardPass:
+        """Updates the batch and runs the model up to the logits of the rows that sample.
 
         `deferred`: the batch may hold tokens still on the device (async scheduling)."""
         self._update_states(scheduler_output)
         if scheduler_output.scheduled_encoder_inputs:
             self._run_encoder(scheduler_output.scheduled_encoder_inputs)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return [], [], None, {}
+            return ForwardPass(scheduler_output)
         batch = self.input_batch
         req_ids = batch.active_req_ids
         num_scheduled = np.fromiter(
@@ -244,17 +257,21 @@ class ModelRunner:
             hidden = self.model(None, staged.positions, self.kv_caches, metadata, inputs_embeds)
         else:  # the plain token path, unchanged for steps without a prompt of embeddings
             hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, metadata)
-        prompt_logprobs = self._prompt_logprobs(hidden, prepared, num_scheduled)
-        sampled_rows = prepared.sampled_rows.tolist()
-        if not sampled_rows:  # every request is mid-prefill
-            return [], [], None, prompt_logprobs
-        logits = self.model.compute_logits(hidden[staged.logits_indices])
-        states = list(map(batch.states.__getitem__, sampled_rows))
-        if deferred and self.pending and any(s.sampling_params.has_penalties for s in states):
-            # Penalties count the outputs' values on the host: wait for the pending ones.
-            self.pending.resolve_all()
-        sampling_metadata = self._sampling_metadata(states, scheduler_output, grammar_bitmask)
-        return sampled_rows, states, self.sampler(logits, sampling_metadata), prompt_logprobs
+        forward = ForwardPass(scheduler_output,
+                              prompt_logprobs=self._prompt_logprobs(hidden, prepared,
+                                                                    num_scheduled))
+        forward.rows = prepared.sampled_rows.tolist()
+        if forward.rows:  # else every request is mid-prefill
+            forward.logits = self.model.compute_logits(hidden[staged.logits_indices])
+            forward.states = list(map(batch.states.__getitem__, forward.rows))
+        return forward
+
+    def _sample(self, forward: ForwardPass,
+                grammar_bitmask: GrammarBitmask | None) -> SamplerOutput:
+        assert forward.logits is not None
+        metadata = self._sampling_metadata(forward.states, forward.scheduler_output,
+                                           grammar_bitmask)
+        return self.sampler(forward.logits, metadata)
 
     def _run_encoder(self, works: list[EncoderWork]) -> None:
         """Runs the encoder over the inputs of the step's new encoder-decoder requests, as

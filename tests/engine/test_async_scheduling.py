@@ -396,3 +396,53 @@ def test_the_option_reaches_the_scheduler(checkpoint: Path) -> None:
     assert sync.scheduler.in_flight is None
     out = llm.generate([[5, 6, 7]], greedy(4, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == reference_tokens(checkpoint, [5, 6, 7], 4)
+
+
+def test_a_penalty_step_reads_the_previous_step_back_between_forward_and_sampling(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def requests() -> list[Request]:
+        return [("p", {"prompt_token_ids": [5, 6, 7]},
+                 greedy(8, repetition_penalty=1.5, frequency_penalty=0.3, ignore_eos=True)),
+                ("q", {"prompt_token_ids": [9, 10]}, greedy(8, ignore_eos=True))]
+
+    expected = run(make_engine(checkpoint, False), requests())
+    engine = make_engine(checkpoint, True)
+    runner = engine.runner
+    order: list[str] = []
+    for name in ("forward_async", "sample_async"):
+        method = getattr(runner, name)
+        monkeypatch.setattr(runner, name, lambda *a, _m=method, _n=name, **k: (
+            order.append(f"{_n} pending={len(runner.pending.steps)}"), _m(*a, **k))[1])
+    outputs = run(engine, requests())
+    assert_same_outputs(expected, outputs)
+    # Every forward pass is launched with the previous step in flight; its sampling only
+    # once that step was read back (the penalties count its token on the host).
+    decode_steps = order[2:-2]
+    assert decode_steps[::2] == ["forward_async pending=1"] * (len(decode_steps) // 2)
+    assert decode_steps[1::2] == ["sample_async pending=0"] * (len(decode_steps) // 2)
+    assert_idle(engine)
+
+
+def test_the_runner_alone_waits_for_the_pending_tokens_a_penalty_row_counts(
+    checkpoint: Path,
+) -> None:
+    prompt = [5, 6, 7]
+    params = greedy(4, repetition_penalty=1.5, ignore_eos=True)
+    expected = run(make_engine(checkpoint, False), [("p", {"prompt_token_ids": prompt},
+                                                      params)])["p"].outputs[0].token_ids
+    engine = make_engine(checkpoint, True)
+    engine.add_request("p", {"prompt_token_ids": prompt}, params)
+    scheduler, runner = engine.scheduler, engine.runner
+    first_step = scheduler.schedule()
+    first = runner.execute_model_async(first_step)
+    second_step = scheduler.schedule()
+    second = runner.execute_model_async(second_step)  # the penalty reads the first's token
+    state = runner.requests["p"]
+    assert state.output_token_ids == [expected[0], PENDING_TOKEN_ID]
+    assert len(runner.pending.steps) == 1
+    assert first.result().sampled_token_ids == expected[:1]
+    assert second.result().sampled_token_ids == expected[1:2]
+    scheduler.update_from_output(first_step, first.result())
+    scheduler.update_from_output(second_step, second.result())
+    assert scheduler.requests["p"].output_token_ids == expected[:2]
