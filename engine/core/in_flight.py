@@ -89,3 +89,24 @@ class InFlightSteps:
             for req_id, num_tokens in other.output.num_scheduled_tokens.items():
                 later[req_id] = later.get(req_id, 0) + num_tokens
         return later
+
+
+def num_known_tokens(request: Request) -> int:
+    """Tokens the scheduler may compute for a request: prompt and outputs, with its output
+    placeholders (async scheduling); 0 when a placeholder's token reaches its length cap
+    (that token ends it: nothing after it would be kept)."""
+    pending = request.num_output_placeholders
+    if pending and request.num_output_tokens + pending >= request.max_output_tokens:
+        return 0
+    return len(request.all_token_ids) + pending
+
+
+def advance_with_placeholders(budget: StepBudget) -> None:
+    """Async scheduling, after a schedule: advances each scheduled request's
+    `num_computed_tokens`, and gives one more output placeholder to those whose tokens
+    then reach the end of what they know (the step samples their next token)."""
+    for request, num_tokens in zip(budget.requests.values(), budget.scheduled.values()):
+        computed = request.num_computed_tokens + num_tokens
+        request.num_computed_tokens = computed
+        if computed >= len(request.all_token_ids) + request.num_output_placeholders:
+            request.num_output_placeholders += 1

@@ -36,7 +36,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvferry.engine.config import SchedulerConfig
-from kvferry.engine.core.in_flight import InFlightSteps
+from kvferry.engine.core.in_flight import (
+    InFlightSteps,
+    advance_with_placeholders,
+    num_known_tokens,
+)
 from kvferry.engine.core.kv_cache import KVCacheBlock, KVCacheManager
 from kvferry.engine.core.kv_connector import KVConnectorSchedulerBase
 from kvferry.engine.core.messages import EngineCoreOutput, FinishReason, SchedulerStats
@@ -786,23 +790,3 @@ class Scheduler:
             "num_cross_blocks": len({block.block_id for table in tables for block in table}),
         }
 
-
-def num_known_tokens(request: Request) -> int:
-    """Tokens the scheduler may compute for a request: prompt and outputs, with its output
-    placeholders (async scheduling); 0 when a placeholder's token reaches its length cap
-    (that token ends it: nothing after it would be kept)."""
-    pending = request.num_output_placeholders
-    if pending and request.num_output_tokens + pending >= request.max_output_tokens:
-        return 0
-    return len(request.all_token_ids) + pending
-
-
-def advance_with_placeholders(budget: StepBudget) -> None:
-    """Async scheduling, after a schedule: advances each scheduled request's
-    `num_computed_tokens`, and gives one more output placeholder to those whose tokens
-    then reach the end of what they know (the step samples their next token)."""
-    for request, num_tokens in zip(budget.requests.values(), budget.scheduled.values()):
-        computed = request.num_computed_tokens + num_tokens
-        request.num_computed_tokens = computed
-        if computed >= len(request.all_token_ids) + request.num_output_placeholders:
-            request.num_output_placeholders += 1
