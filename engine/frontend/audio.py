@@ -286,8 +286,11 @@ def _load_extractor(path: Path) -> WhisperFeatureExtractor:
     if kind != "WhisperFeatureExtractor":
         raise ValueError(f"{path} does not describe a WhisperFeatureExtractor "
                          f"(its feature_extractor_type is {kind!r})")
-    from transformers import WhisperFeatureExtractor
-
+    try:
+        from transformers import WhisperFeatureExtractor
+    except ImportError:
+        raise ValueError("serving Whisper needs the transformers package (its feature "
+                         "extractor): pip install 'kvferry[whisper]'") from None
     try:
         extractor = WhisperFeatureExtractor.from_dict(config)
     except (TypeError, ValueError) as exc:
