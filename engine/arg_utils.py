@@ -86,6 +86,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="encoder-decoder models: encoder positions run per step, beside "
                             "the token budget (default: the larger of "
                             "--max-num-batched-tokens and the longest encoder input)")
+    group.add_argument("--async-scheduling", action="store_true",
+                       help="schedule step N+1 while step N computes (output placeholders for "
+                            "tokens not sampled yet); for a GPU, where the device must not "
+                            "wait for the host (default: off)")
     group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                        help="the order waiting requests are taken in")
     group.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
@@ -120,6 +124,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=_given_or(args.max_num_batched_tokens,
                                              defaults.max_num_batched_tokens),
             policy=args.scheduling_policy,
+            async_scheduling=args.async_scheduling,
             max_num_encoder_tokens=args.max_num_encoder_tokens,
         ),
         attention_backend=args.attention_backend,

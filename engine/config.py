@@ -106,6 +106,12 @@ class SchedulerConfig:
     # so a burst of long encoder inputs does not starve decoding. None: the larger of
     # max_num_batched_tokens and the model's longest encoder input.
     max_num_encoder_tokens: int | None = None
+    # Overlapped scheduling: the engine core schedules step N+1 (its decodes carry an
+    # output placeholder for the token step N has not sampled yet) before it waits for
+    # step N's tokens, so the host's scheduling and bookkeeping run while the device
+    # computes. Worth it where the device would otherwise wait for the host (a GPU); on
+    # CPU the model is the host, so it only adds work (off by default).
+    async_scheduling: bool = False
     # Filled in by the engine from ModelConfig once the checkpoint is known.
     max_model_len: int = 0
 

@@ -4,6 +4,18 @@ It knows token ids only. The front end (`LLMEngine` in one process, the server's
 client across a socket) tokenizes, fans out `n > 1`, detokenizes and finds stop strings;
 the core receives `EngineCoreRequest`s and returns, per step, the `EngineCoreOutputs` the
 step produced.
+
+With async scheduling (`SchedulerConfig.async_scheduling`) one step stays in flight: each
+`step()` schedules and launches step N+1, then waits for step N, which the device computed
+meanwhile, and returns N's outputs. On a GPU the host's scheduling, bookkeeping, stop checks
+and output messages then run while the device computes, and N+1 is queued before N ends, so
+the device does not wait for the host between steps. A step whose sampling needs N's tokens
+on the host (a request under a grammar samples: its bitmask follows N's token; a row with a
+penalty samples: its counts are built on the host) is launched in two halves: its forward
+pass, then N is read back and updated, then its sampling, so the host's work still runs
+while the device computes the forward pass. A step with nothing to compute updates N first.
+On the CPU the device is the host, so the overlap saves nothing there; the same code runs,
+which is what the CPU tests check (core/in_flight.py, runner/async_output.py).
 """
 
 from __future__ import annotations
@@ -32,8 +44,9 @@ from kvferry.engine.core.scheduler_output import SchedulerOutput
 from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.models.loader import resolve_dtype
 from kvferry.engine.models.source import resolve_model_source
+from kvferry.engine.runner.async_output import AsyncModelRunnerOutput
 from kvferry.engine.runner.model_runner import ModelRunner, determine_num_blocks
-from kvferry.engine.structured_output.manager import StructuredOutputManager
+from kvferry.engine.structured_output.manager import GrammarBitmask, StructuredOutputManager
 
 from kvferry.protocol.prompt_embeds import PLACEHOLDER_TOKEN_ID
 
@@ -99,6 +112,8 @@ class EngineCore:
             None if self.kv_connector is None else self.kv_connector.scheduler,
             self.structured_output,
         )
+        # Async scheduling: the step launched and not yet updated.
+        self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
         self.info = EngineCoreInfo(
             model_dir=str(self.model_dir),
             architecture=self.arch.architecture,
@@ -198,15 +213,18 @@ class EngineCore:
             self.runner.release_prompt_embeds(self.scheduler.finished_req_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def has_requests_to_compute(self) -> bool:
         """False while the only work is transfers (pulls in flight, blocks held for one)."""
-        return self.scheduler.has_requests_to_compute()
+        return self.scheduler.has_requests_to_compute() or self._in_flight is not None
 
     # ------------------------------------------------------------------ step
     def step(self) -> EngineCoreOutputs:
-        """Schedules, executes and updates one step; returns what it produced."""
+        """Schedules, executes and updates one step; returns what it produced (with async
+        scheduling: launches one step and returns what the previous one produced)."""
+        if self.scheduler.in_flight is not None:
+            return self._step_overlapped()
         outputs = self._collect_transfers()
         outputs += self._admit_compiled_grammars()
         scheduler_output = self.scheduler.schedule()
@@ -220,12 +238,68 @@ class EngineCore:
             bitmask = self.structured_output.start_bitmask(scheduler_output.grammar_req_ids)
         try:
             runner_output = self.runner.execute_model(scheduler_output, bitmask)
-        except Exception:  # noqa: BLE001 - one bad step must not take every request down
-            outputs += self._fail_step(scheduler_output)
+        except Exception as exc:  # noqa: BLE001 - one bad step must not take every request down
+            outputs += self._fail_step(scheduler_output, exc)
         else:
             outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
         self._release_finished_embeds()
         return EngineCoreOutputs(outputs, self.make_stats(), queue_times)
+
+    def _step_overlapped(self) -> EngineCoreOutputs:
+        """Async scheduling: schedules and launches step N+1, then waits for step N and
+        applies its tokens (see the module docstring)."""
+        outputs = self._collect_transfers()
+        outputs += self._admit_compiled_grammars()
+        scheduler_output = self.scheduler.schedule()
+        if self.kv_connector is not None:
+            self.kv_connector.start_transfers()
+        queue_times = self._queue_times(scheduler_output)
+        previous, self._in_flight = self._in_flight, None
+        try:
+            forward = self.runner.forward_async(scheduler_output)
+            if previous is not None and (
+                not scheduler_output.total_num_scheduled_tokens
+                or scheduler_output.grammar_req_ids or forward.reads_host_outputs
+            ):
+                # Sampling needs the previous step's tokens on the host: read them back
+                # while the device runs this step's forward pass.
+                finished, previous = previous, None
+                outputs += self._finish_step(*finished)
+            bitmask = self._start_bitmask(scheduler_output)
+            launched = self.runner.sample_async(forward, bitmask)
+        except Exception as exc:  # noqa: BLE001 - one bad step must not take every request down
+            if previous is not None:
+                outputs += self._finish_step(*previous)
+            outputs += self._fail_step(scheduler_output, exc)
+        else:
+            if previous is not None:
+                outputs += self._finish_step(*previous)
+            if scheduler_output.total_num_scheduled_tokens:
+                self._in_flight = (scheduler_output, launched)
+            else:  # nothing to wait for (an encoder-only step, or none at all)
+                outputs += self._finish_step(scheduler_output, launched)
+        self._release_finished_embeds()
+        return EngineCoreOutputs(outputs, self.make_stats(), queue_times)
+
+    def _start_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
+        """The step's grammar bitmask, filled on a worker thread while the model runs; None
+        in a step without grammars. The previous step was updated first: a request its
+        token ended is left out (its row's token is dropped)."""
+        req_ids = scheduler_output.grammar_req_ids
+        if not req_ids:
+            return None
+        structured = self.structured_output
+        req_ids = [r for r in req_ids if r in structured.requests]
+        return structured.start_bitmask(req_ids) if req_ids else None
+
+    def _finish_step(self, scheduler_output: SchedulerOutput,
+                     launched: AsyncModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Waits for a launched step's tokens and applies them."""
+        try:
+            runner_output = launched.result()
+        except Exception as exc:  # noqa: BLE001 - as a step that raises when it runs
+            return self._fail_step(scheduler_output, exc)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _admit_compiled_grammars(self) -> list[EngineCoreOutput]:
         """Queues requests whose grammar compiled; with nothing else to compute, first waits
@@ -270,12 +344,13 @@ class EngineCore:
             for r in new_reqs if not r.is_resumed
         }
 
-    def _fail_step(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
+    def _fail_step(self, scheduler_output: SchedulerOutput,
+                   exc: BaseException) -> list[EngineCoreOutput]:
         failed = self.scheduler.fail_step(scheduler_output)
         failed_ids = [r.request_id for r in failed]
-        logger.exception(
+        logger.error(
             "a step of %d requests failed; they end with finish_reason 'error', the engine "
-            "goes on: %s", len(failed_ids), failed_ids,
+            "goes on: %s", len(failed_ids), failed_ids, exc_info=exc,
         )
         self.runner.recover_from_failed_step(failed_ids)
         return [EngineCoreOutput(r, [], finish_reason=FinishReason.ERROR) for r in failed_ids]

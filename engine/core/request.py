@@ -90,6 +90,10 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     # Tokens whose KV is in the cache (or is being computed this step).
     num_computed_tokens: int = 0
+    # Async scheduling: tokens scheduled steps will sample that have not come back yet
+    # (0 or 1; always 0 in the synchronous loop). The next step is planned as if they were
+    # in `all_token_ids`: a decode's input is the token its previous step is sampling.
+    num_output_placeholders: int = 0
     # Prompt tokens served from the prefix cache when the request was first scheduled.
     num_cached_tokens: int = -1
     num_preemptions: int = 0

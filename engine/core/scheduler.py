@@ -19,6 +19,14 @@ block is being computed in this step by another request waits one step for it.
 A request under a grammar (structured outputs) waits outside the queue while its grammar
 compiles (`waiting_for_grammar`), then queues like any other; each step lists the ones that
 sample (`grammar_req_ids`), and `update_from_output` advances their grammars.
+
+With async scheduling (`SchedulerConfig.async_scheduling`) the next step is scheduled
+before this one is updated: each request a step samples gets an output placeholder, counted
+as a known token when the next step is planned (in_flight.py). `update_from_output` then
+takes the tokens of requests that are still running or were preempted by the step planned
+behind (the token was computed before the preemption, as in the synchronous loop), and
+drops those of requests that ended meanwhile: a request that stops at step N never emits
+step N+1's token.
 """
 
 from __future__ import annotations
@@ -28,6 +36,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvferry.engine.config import SchedulerConfig
+from kvferry.engine.core.in_flight import (
+    InFlightSteps,
+    advance_with_placeholders,
+    num_known_tokens,
+)
 from kvferry.engine.core.kv_cache import KVCacheBlock, KVCacheManager
 from kvferry.engine.core.kv_connector import KVConnectorSchedulerBase
 from kvferry.engine.core.messages import EngineCoreOutput, FinishReason, SchedulerStats
@@ -80,6 +93,10 @@ class Scheduler:
         # Set by the first encoder-decoder request: the encoder gauges are worth computing.
         self._serves_encoder = False
         self._step_encoder_tokens = 0
+        # Async scheduling: the steps scheduled and not yet updated; None in the
+        # synchronous loop, where each step is updated before the next is scheduled.
+        self.in_flight = (InFlightSteps(kv_cache_manager.enable_caching)
+                          if config.async_scheduling else None)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -187,6 +204,8 @@ class Scheduler:
         dropping the requests leaves the cache and the other requests consistent.
         """
         encoded = [work.req_id for work in scheduler_output.scheduled_encoder_inputs]
+        if self.in_flight is not None:
+            self.in_flight.pop(scheduler_output)
         return self.finish_requests(
             [*scheduler_output.num_scheduled_tokens, *encoded], RequestStatus.FINISHED_ERROR
         )
@@ -246,6 +265,10 @@ class Scheduler:
             scheduled_waiting = self._schedule_waiting(budget)
         output = self._make_output(scheduled_running, scheduled_waiting, preempted, budget)
         self._step_encoder_tokens = sum(r.num_encoder_tokens for r in budget.encoder_requests)
+        if self.in_flight is not None:
+            self.in_flight.add(output, budget)
+            advance_with_placeholders(budget)
+            return output
         for request, num_tokens in zip(budget.requests.values(), budget.scheduled.values()):
             request.num_computed_tokens += num_tokens
         return output
@@ -259,7 +282,8 @@ class Scheduler:
 
     def _plan_running(self, budget: StepBudget) -> list[Request] | None:
         """The common step, planned in bulk; None if blocks ran out (see running_plan)."""
-        return plan_running(self.running, self.kv_cache_manager, self.config.max_model_len, budget)
+        return plan_running(self.running, self.kv_cache_manager, self.config.max_model_len, budget,
+                            placeholders=self.in_flight is not None)
 
     def _schedule_running_one_by_one(
         self, budget: StepBudget
@@ -270,7 +294,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget.tokens > 0:
             request = self.running[index]
-            num_new = min(len(request.all_token_ids), max_model_len) - request.num_computed_tokens
+            num_new = min(num_known_tokens(request), max_model_len) - request.num_computed_tokens
             num_new = min(num_new, budget.tokens)
             index += 1
             if num_new <= 0:
@@ -329,6 +353,9 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
+            # Preempted by the schedule behind a step that samples it, it is admitted only
+            # after that step's token joined its output (the next schedule).
+            assert not request.num_output_placeholders, request.request_id
             is_pulled = request.request_id in self.kv_cache_manager.req_to_blocks
             cross_hits: list[KVCacheBlock] = []
             num_new_cross = 0
@@ -433,7 +460,10 @@ class Scheduler:
             return cached, 0
         assert request.encoder_key is not None
         if request.num_encoder_tokens > budget.encoder_tokens or (
-            manager.enable_caching and request.encoder_key in budget.encoder_keys
+            manager.enable_caching and (
+                request.encoder_key in budget.encoder_keys
+                or (self.in_flight is not None and self.in_flight.encodes(request.encoder_key))
+            )
         ):
             return None
         return [], manager.num_cross_blocks(request)
@@ -492,7 +522,9 @@ class Scheduler:
             num_hit_blocks >= (request.num_tokens - 1) // manager.block_size
         ) or request.sampling_params.prompt_logprobs is not None:
             return False  # nothing more to hit (prompt logprobs take no hit at all)
-        return budget.computes_block(request.block_hashes[num_hit_blocks])
+        block_hash = request.block_hashes[num_hit_blocks]
+        return budget.computes_block(block_hash) or (
+            self.in_flight is not None and self.in_flight.computes_block(block_hash))
 
     def _make_output(
         self,
@@ -547,8 +579,10 @@ class Scheduler:
         Returns one output per request that produced a token this step; a finished one
         carries its finish reason.
         """
-        self._cache_computed_blocks(scheduler_output)
-        outputs = self._finish_encoder_step(scheduler_output)
+        if self.in_flight is not None:
+            return self._update_from_output_async(scheduler_output, runner_output)
+        self._cache_computed_blocks(scheduler_output, self.requests)
+        outputs = self._finish_encoder_step(scheduler_output, self.requests)
         stopped = False
         requests, running = self.requests, RequestStatus.RUNNING
         for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
@@ -571,6 +605,57 @@ class Scheduler:
                     output.stop_reason = request.stop_reason
                     output.kv_transfer_params = self._free_request(request)
                     stopped = True
+        return self._finish_update(outputs, stopped, runner_output, requests)
+
+    def _update_from_output_async(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """`update_from_output` of a step with the next one scheduled already (see the
+        module docstring): tokens go to the request objects the step computed, still
+        running or preempted by the next schedule, each taking one output placeholder."""
+        assert self.in_flight is not None
+        step = self.in_flight.pop(scheduler_output)
+        requests = step.requests
+        self._cache_computed_blocks(scheduler_output, requests,
+                                    self.in_flight.num_tokens_after(step))
+        outputs = self._finish_encoder_step(scheduler_output, requests)
+        stopped = False
+        running, preempted = RequestStatus.RUNNING, RequestStatus.PREEMPTED
+        for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            request = requests.get(req_id)
+            if request is None or (request.status is not running
+                                   and request.status is not preempted):
+                continue  # ended after the step was scheduled: its token is dropped
+            request.num_output_placeholders -= 1
+            output_ids = request.output_token_ids
+            output_ids.append(token_id)
+            request.all_token_ids.append(token_id)
+            output = EngineCoreOutput(req_id, [token_id])
+            outputs.append(output)
+            if len(output_ids) == 1:
+                output.num_cached_tokens = max(request.num_cached_tokens, 0)
+            if token_id in request.stop_token_set or len(output_ids) >= request.max_output_tokens:
+                status = check_stop(request, token_id)
+                if status is not None:
+                    self._end_taking_tokens(request, status)
+                    output.finish_reason = status.finish_reason
+                    output.stop_reason = request.stop_reason
+                    output.kv_transfer_params = self._free_request(request)
+                    stopped = True
+        return self._finish_update(outputs, stopped, runner_output, requests)
+
+    def _end_taking_tokens(self, request: Request, status: RequestStatus) -> None:
+        """Ends a request that just took a token: running, or (async scheduling) preempted
+        and back in the queue; the caller frees it and drops it from `running`."""
+        if request.status is RequestStatus.PREEMPTED:
+            self.waiting.remove(request)
+        request.status = status
+
+    def _finish_update(
+        self, outputs: list[EngineCoreOutput], stopped: bool, runner_output: ModelRunnerOutput,
+        requests: dict[str, Request],
+    ) -> list[EngineCoreOutput]:
+        """Grammars, the running list, logprobs and prompt logprobs of an update."""
         structured = self.structured_output
         if structured is not None and structured.num_requests:
             stopped |= self._advance_grammars(outputs)
@@ -579,10 +664,10 @@ class Scheduler:
         if runner_output.logprobs is not None:
             by_req = dict(zip(runner_output.req_ids, runner_output.logprobs))
             for output in outputs:
-                if by_req[output.req_id]:
+                if by_req.get(output.req_id):
                     output.new_logprobs = [by_req[output.req_id]]
         if runner_output.prompt_logprobs:
-            self._attach_prompt_logprobs(outputs, runner_output.prompt_logprobs)
+            self._attach_prompt_logprobs(outputs, runner_output.prompt_logprobs, requests)
         return outputs
 
     def _advance_grammars(self, outputs: list[EngineCoreOutput]) -> bool:
@@ -594,17 +679,16 @@ class Scheduler:
         ended = False
         for output in outputs:
             request = structured.requests.get(output.req_id)
-            if request is None or request.status is not RequestStatus.RUNNING \
-                    or not output.new_token_ids:
+            if request is None or request.is_finished or not output.new_token_ids:
                 continue  # unconstrained, ended by this very token, or sampled nothing
             verdict = structured.accept_token(request, output.new_token_ids[-1])
             if verdict is None:
                 continue
             if verdict == "stop":
-                request.status = RequestStatus.FINISHED_STOPPED
+                self._end_taking_tokens(request, RequestStatus.FINISHED_STOPPED)
                 output.grammar_ended = True
             else:
-                request.status = RequestStatus.FINISHED_ERROR
+                self._end_taking_tokens(request, RequestStatus.FINISHED_ERROR)
                 output.error = verdict
             output.finish_reason = request.status.finish_reason
             output.kv_transfer_params = self._free_request(request)
@@ -613,6 +697,7 @@ class Scheduler:
     def _attach_prompt_logprobs(
         self, outputs: list[EngineCoreOutput],
         prompt_logprobs: dict[str, tuple[int, list[list[tuple[int, float, int]]]]],
+        requests: dict[str, Request],
     ) -> None:
         """Puts each request's prompt logprobs on its output, or on an output of their own
         for a request that sampled nothing (a prefill chunk before the last)."""
@@ -620,22 +705,24 @@ class Scheduler:
         for req_id, (start, entries) in prompt_logprobs.items():
             output = by_req.get(req_id)
             if output is None:
-                request = self.requests.get(req_id)
-                if request is None or request.status is not RequestStatus.RUNNING:
+                request = requests.get(req_id)
+                if request is None or request.is_finished:
                     continue
                 output = EngineCoreOutput(req_id, [])
                 outputs.append(output)
             output.new_prompt_logprobs = entries
             output.prompt_logprobs_start = start
 
-    def _finish_encoder_step(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
+    def _finish_encoder_step(
+        self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
+    ) -> list[EngineCoreOutput]:
         """Indexes the cross blocks the step's encoder wrote; ends encode-only requests
         (their cross blocks stay cached, or held by the KV connector)."""
         outputs = []
         done = self._encoded_from_cache
         self._encoded_from_cache = []
         for work in scheduler_output.scheduled_encoder_inputs:
-            request = self.requests.get(work.req_id)
+            request = requests.get(work.req_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran: its blocks were freed, never indexed
             self.kv_cache_manager.cache_cross_blocks(request)
@@ -650,14 +737,24 @@ class Scheduler:
                 kv_transfer_params=self._free_request(request)))
         return outputs
 
-    def _cache_computed_blocks(self, scheduler_output: SchedulerOutput) -> None:
-        """Indexes the blocks whose KV the step finished writing (the one place that does)."""
-        requests, running = self.requests, RequestStatus.RUNNING
+    def _cache_computed_blocks(
+        self, scheduler_output: SchedulerOutput, requests: dict[str, Request],
+        num_tokens_after: dict[str, int] | None = None,
+    ) -> None:
+        """Indexes the blocks whose KV the step finished writing (the one place that does).
+
+        `num_tokens_after`: tokens of the steps scheduled after this one (async
+        scheduling), which `num_computed_tokens` counts already."""
+        running = RequestStatus.RUNNING
         for req_id in scheduler_output.filling_req_ids:
             request = requests.get(req_id)
             # A request preempted or finished since it was scheduled has no blocks left.
-            if request is not None and request.status is running:
-                self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens)
+            if request is None or request.status is not running:
+                continue
+            num_computed = request.num_computed_tokens
+            if num_tokens_after:
+                num_computed -= num_tokens_after.get(req_id, 0)
+            self.kv_cache_manager.cache_full_blocks(request, num_computed)
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's state after a step, for the engine's statistics."""
@@ -691,3 +788,4 @@ class Scheduler:
             "num_step_encoder_tokens": self._step_encoder_tokens,
             "num_cross_blocks": self.kv_cache_manager.num_cross_blocks_in_use,
         }
+

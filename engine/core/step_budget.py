@@ -64,6 +64,16 @@ class StepBudget:
             self._in_flight_hashes = self._hashes_in_flight()
         return block_hash in self._in_flight_hashes
 
+    def filled_block_hashes(self) -> set[bytes]:
+        """Hashes of the full blocks the step's tokens complete (called before the
+        requests' `num_computed_tokens` advance past them)."""
+        hashes: set[bytes] = set()
+        for req_id, request in self.filling.items():
+            first = request.num_computed_tokens // self.block_size
+            end = (request.num_computed_tokens + self.scheduled.get(req_id, 0)) // self.block_size
+            hashes.update(request.block_hashes[first:end])
+        return hashes
+
     def _hashes_in_flight(self) -> set[bytes]:
         in_flight: set[bytes] = set()
         for req_id, num_tokens in self.scheduled.items():

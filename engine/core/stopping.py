@@ -37,7 +37,9 @@ class MinTokensGuard:
         blocked = {}
         for req_id, request in list(self._pending.items()):
             params = request.sampling_params
-            if request.num_output_tokens >= params.min_tokens:
+            # Tokens sampled by steps in flight (async scheduling) count: the step
+            # being planned comes after them.
+            if request.num_output_tokens + request.num_output_placeholders >= params.min_tokens:
                 del self._pending[req_id]
             elif req_id in scheduled:
                 eos = () if params.ignore_eos else request.eos_token_ids

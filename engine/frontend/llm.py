@@ -47,6 +47,7 @@ class LLM:
         served_model_name: str | None = None,
         enable_prompt_embeds: bool = False,
         max_num_encoder_tokens: int | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -64,6 +65,7 @@ class LLM:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 enable_chunked_prefill=enable_chunked_prefill, policy=scheduling_policy,  # type: ignore[arg-type]
                 max_num_encoder_tokens=max_num_encoder_tokens,
+                async_scheduling=async_scheduling,
             ),
             attention_backend=attention_backend,
             device=device,

@@ -25,6 +25,15 @@ from kvferry.engine.core.scheduler_output import (
 from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.models.encoder_decoder import EncoderBatch
 from kvferry.engine.models.loader import load_model
+from kvferry.engine.runner.async_output import (
+    AsyncModelRunnerOutput,
+    ForwardPass,
+    HostLogprobs,
+    PendingTokens,
+    logprobs_lists,
+    pack_for_host,
+    unpack_on_host,
+)
 from kvferry.engine.runner.cpu_malloc import keep_activation_memory
 from kvferry.engine.runner.input_batch import CachedRequestState, InputBatch
 from kvferry.engine.runner.memory_profile import EncoderProfile, measure_gpu_kv_cache_budget
@@ -111,13 +120,17 @@ class ModelRunner:
         self.buffers = InputBuffers.allocate(max_num_batched_tokens, max_num_reqs)
         self.staging = StepStaging(max_num_batched_tokens, max_num_reqs, device)
         self.sampler = Sampler()
+        # Async scheduling: sampled tokens still on the device (async_output.py).
+        self.pending = PendingTokens(self.input_batch)
         # Every request the runner knows, in the batch or not (unscheduled this step).
         self.requests: dict[str, CachedRequestState] = {}
         # Requests whose prompt logprobs are still to be computed (prompt_logprobs asked,
         # prefill not done): the only ones a step scores its prompt positions for.
         self._scoring_prompts: set[str] = set()
-        # Pinned host rows of prompt embeddings for one step's copy (a GPU; made on first use).
+        # Pinned host rows of prompt embeddings for one step's copy (a GPU; made on first
+        # use), and the event after the last copy from them (refilled only once it is done).
         self._embeds_staging: torch.Tensor | None = None
+        self._embeds_copied: torch.cuda.Event | None = None
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         # Blocks outermost, so one block is one contiguous region across all layers.
@@ -171,11 +184,56 @@ class ModelRunner:
                       grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
         """Runs the step; `grammar_bitmask` (being filled on another thread while the model
         runs) constrains the rows of requests under a grammar."""
+        forward = self._forward(scheduler_output, deferred=False)
+        if forward.logits is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[],
+                                     prompt_logprobs=forward.prompt_logprobs)
+        output = self._record_samples(forward.rows, forward.states,
+                                      self._sample(forward, grammar_bitmask))
+        output.prompt_logprobs = forward.prompt_logprobs
+        return output
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput,
+                            grammar_bitmask: GrammarBitmask | None = None
+                            ) -> AsyncModelRunnerOutput:
+        """`execute_model` for async scheduling: the sampled tokens stay on the device (the
+        next step's inputs are filled from there) and `result()` reads them on the host
+        (async_output.py). On a GPU it does not wait for the step's results (only for
+        what a copy from pageable memory waits for: the work queued before it)."""
+        return self.sample_async(self.forward_async(scheduler_output), grammar_bitmask)
+
+    @torch.inference_mode()
+    def forward_async(self, scheduler_output: SchedulerOutput) -> ForwardPass:
+        """The first half of `execute_model_async`: the batch updated, its inputs filled
+        from the steps in flight, the model run up to the logits. Nothing here needs the
+        previous step's tokens on the host, so it may be queued before they are read."""
+        return self._forward(scheduler_output, deferred=True)
+
+    @torch.inference_mode()
+    def sample_async(self, forward: ForwardPass,
+                     grammar_bitmask: GrammarBitmask | None = None) -> AsyncModelRunnerOutput:
+        """The second half: samples the forward pass's rows and leaves the tokens on the
+        device. Rows with penalties count the outputs' values on the host: with tokens of
+        a step still pending, it waits for them first (the engine core reads the previous
+        step back before this when `forward.reads_host_outputs`)."""
+        if forward.logits is None:
+            return AsyncModelRunnerOutput.ready(ModelRunnerOutput(
+                req_ids=[], sampled_token_ids=[], prompt_logprobs=forward.prompt_logprobs))
+        if self.pending and forward.reads_host_outputs:
+            self.pending.resolve_all()
+        return self.pending.defer(forward.states, forward.rows,
+                                  self._sample(forward, grammar_bitmask),
+                                  forward.prompt_logprobs)
+
+    def _forward(self, scheduler_output: SchedulerOutput, deferred: bool) -> ForwardPass:
+        """Updates the batch and runs the model up to the logits of the rows that sample.
+
+        `deferred`: the batch may hold tokens still on the device (async scheduling)."""
         self._update_states(scheduler_output)
         if scheduler_output.scheduled_encoder_inputs:
             self._run_encoder(scheduler_output.scheduled_encoder_inputs)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return ForwardPass(scheduler_output)
         batch = self.input_batch
         req_ids = batch.active_req_ids
         num_scheduled = np.fromiter(
@@ -186,8 +244,11 @@ class ModelRunner:
             batch.block_table.np, self.block_size, self.buffers,
         )
         # One host-to-device copy of the step's index arrays (the block table is the other).
-        # The previous step's copy is over: its sampled tokens were read back.
         staged = self.staging.stage(prepared)
+        if deferred:
+            # A decode's input is the token its previous step sampled, on the device still.
+            self.pending.fill_inputs(staged.input_ids, prepared.input_ids,
+                                     prepared.query_start_loc)
         metadata = self._attention_metadata(prepared, staged)
         embeds_rows = batch.prompt_embeds_rows(len(req_ids))
         if embeds_rows.size:
@@ -196,18 +257,21 @@ class ModelRunner:
             hidden = self.model(None, staged.positions, self.kv_caches, metadata, inputs_embeds)
         else:  # the plain token path, unchanged for steps without a prompt of embeddings
             hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, metadata)
-        prompt_logprobs = self._prompt_logprobs(hidden, prepared, num_scheduled)
-        sampled_rows = prepared.sampled_rows.tolist()
-        if not sampled_rows:  # every request is mid-prefill
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[],
-                                     prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden[staged.logits_indices])
-        sampling_metadata = self._sampling_metadata(sampled_rows, scheduler_output,
-                                                     grammar_bitmask)
-        sampler_output = self.sampler(logits, sampling_metadata)
-        output = self._record_samples(sampled_rows, sampler_output)
-        output.prompt_logprobs = prompt_logprobs
-        return output
+        forward = ForwardPass(scheduler_output,
+                              prompt_logprobs=self._prompt_logprobs(hidden, prepared,
+                                                                    num_scheduled))
+        forward.rows = prepared.sampled_rows.tolist()
+        if forward.rows:  # else every request is mid-prefill
+            forward.logits = self.model.compute_logits(hidden[staged.logits_indices])
+            forward.states = list(map(batch.states.__getitem__, forward.rows))
+        return forward
+
+    def _sample(self, forward: ForwardPass,
+                grammar_bitmask: GrammarBitmask | None) -> SamplerOutput:
+        assert forward.logits is not None
+        metadata = self._sampling_metadata(forward.states, forward.scheduler_output,
+                                           grammar_bitmask)
+        return self.sampler(forward.logits, metadata)
 
     def _run_encoder(self, works: list[EncoderWork]) -> None:
         """Runs the encoder over the inputs of the step's new encoder-decoder requests, as
@@ -282,10 +346,14 @@ class ModelRunner:
                                    self.arch.hidden_size), dtype=self.dtype,
                                   pin_memory=torch.cuda.is_available())
             self._embeds_staging = staging
+        if self._embeds_copied is not None:
+            self._embeds_copied.synchronize()  # async scheduling: a step may be queued still
         torch.cat(pieces, out=staging[:num_rows])
-        # Non-blocking from pinned memory, like the index arrays (step_staging.py): the next
-        # step reuses the buffer only after this one's sampled tokens were read back.
-        return staging[:num_rows].to(self.device, non_blocking=True)
+        # Non-blocking from pinned memory, like the index arrays (step_staging.py).
+        on_device = staging[:num_rows].to(self.device, non_blocking=True)
+        self._embeds_copied = torch.cuda.Event()
+        self._embeds_copied.record()
+        return on_device
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, prepared: PreparedInputs, num_scheduled: np.ndarray
@@ -331,6 +399,8 @@ class ModelRunner:
         # Rows not scheduled this step leave the batch (their state is kept).
         unscheduled = set(batch.active_req_ids).difference(so.num_scheduled_tokens)
         batch.remove_requests(gone | unscheduled)
+        if self.pending and so.scheduled_new_reqs:
+            self.pending.note_new_requests([new.req_id for new in so.scheduled_new_reqs])
         for new in so.scheduled_new_reqs:
             state = CachedRequestState(
                 req_id=new.req_id,
@@ -430,9 +500,8 @@ class ModelRunner:
             )
         return metadata
 
-    def _sampling_metadata(self, rows: list[int], so: SchedulerOutput,
+    def _sampling_metadata(self, states: list[CachedRequestState], so: SchedulerOutput,
                            grammar_bitmask: GrammarBitmask | None) -> SamplingMetadata:
-        states = [self.input_batch.states[row] for row in rows]
         blocked = {
             i: so.blocked_stop_token_ids[s.req_id]
             for i, s in enumerate(states)
@@ -451,34 +520,16 @@ class ModelRunner:
                              else _grammar_rows(states, grammar_bitmask)),
         )
 
-    def _record_samples(self, rows: list[int], output: SamplerOutput) -> ModelRunnerOutput:
+    def _record_samples(self, rows: list[int], states: list[CachedRequestState],
+                        output: SamplerOutput) -> ModelRunnerOutput:
         """Writes each sampled token into its row: it is that request's next input."""
-        batch = self.input_batch
         sampled, logprobs = _copy_to_host(output)
         token_ids = sampled.tolist()
-        states = list(map(batch.states.__getitem__, rows))
         for state, token_id in zip(states, token_ids):
             state.output_token_ids.append(token_id)
-        batch.append_tokens(np.asarray(rows), sampled.numpy())
+        self.input_batch.append_tokens(np.asarray(rows), sampled.numpy())
         req_ids = list(map(_req_id, states))
-        return ModelRunnerOutput(req_ids, token_ids, self._logprobs_lists(rows, logprobs))
-
-    def _logprobs_lists(
-        self, rows: list[int], logprobs: HostLogprobs | None
-    ) -> list[list[tuple[int, float, int]]] | None:
-        if logprobs is None:
-            return None
-        ids, values, ranks = logprobs
-        result = []
-        for i, row in enumerate(rows):
-            wanted = self.input_batch.states[row].sampling_params.logprobs
-            if wanted is None:
-                result.append([])
-                continue
-            entries = [(ids[i][0], values[i][0], ranks[i])]
-            entries += [(ids[i][j], values[i][j], j) for j in range(1, wanted + 1)]
-            result.append(entries)
-        return result
+        return ModelRunnerOutput(req_ids, token_ids, logprobs_lists(states, logprobs))
 
 
 def _grammar_rows(states: list[CachedRequestState],
@@ -525,23 +576,9 @@ def score_positions(model: torch.nn.Module, hidden: torch.Tensor, targets: list[
     return entries
 
 
-# Logprobs on the host: token ids (num_rows, k + 1), their values, the sampled tokens' ranks.
-HostLogprobs = tuple[list[list[int]], list[list[float]], list[int]]
-
-
 def _copy_to_host(output: SamplerOutput) -> tuple[torch.Tensor, HostLogprobs | None]:
-    """The step's one device-to-host copy: the sampled ids, and with logprobs, ids, values
-    and ranks packed beside them as float64 (exact for all: ids and ranks are below 2^53,
-    the values are float32)."""
-    sampled = output.sampled_token_ids  # (num_rows,) int64
-    tensors = output.logprobs
-    if tensors is None:
-        return sampled.cpu(), None
-    k = tensors.token_ids.shape[1]
-    packed = torch.cat([  # (num_rows, 2 + 2 * k) float64
-        sampled[:, None].double(), tensors.token_ids.double(), tensors.logprobs.double(),
-        tensors.ranks[:, None].double(),
-    ], dim=1).cpu()
-    host = (packed[:, 1:1 + k].long().tolist(), packed[:, 1 + k:1 + 2 * k].tolist(),
-            packed[:, 1 + 2 * k].long().tolist())
-    return packed[:, 0].long(), host
+    """The step's one device-to-host copy, which the synchronous loop waits for: the
+    sampled ids, and with logprobs, ids, values and ranks packed beside them
+    (async_output.pack_for_host)."""
+    packed, k = pack_for_host(output)
+    return unpack_on_host(packed.cpu(), k)

@@ -48,6 +48,9 @@ class StepStaging:
         self.capacity = 3 * max_num_tokens + 3 * max_num_reqs + 1
         self.host: torch.Tensor | None = None
         self.on_device: torch.Tensor | None = None
+        # Recorded after each step's copy on a GPU: the next step refills the host buffer
+        # only once the copy has read it.
+        self._copied: torch.cuda.Event | None = None
         if device.type != "cpu" or stage_on_cpu:
             self.host = torch.zeros(self.capacity, dtype=torch.int64,
                                     pin_memory=torch.cuda.is_available())
@@ -59,6 +62,11 @@ class StepStaging:
                   prepared.query_start_loc, prepared.seq_lens, prepared.logits_indices)
         if self.host is None or self.on_device is None:
             return StepTensors(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
+        if self._copied is not None:
+            # The synchronous loop read the previous step's tokens, so this returns at once;
+            # with async scheduling the previous step may still be queued behind the one
+            # before it.
+            self._copied.synchronize()
         host = self.host.numpy()
         offsets = np.cumsum([0, *(a.shape[0] for a in arrays)])
         for array, start, end in zip(arrays, offsets[:-1], offsets[1:]):
@@ -66,7 +74,9 @@ class StepStaging:
         used = int(offsets[-1])
         # Non-blocking from pinned memory: the copy is queued on the stream, in order with
         # the step's kernels, and the host goes on preparing. The host buffer is reused by
-        # the next step: the caller must have waited for this step's results before then
-        # (the synchronous loop reads the sampled tokens back).
+        # the next step once the copy is done (the event).
         self.on_device[:used].copy_(self.host[:used], non_blocking=True)
+        if self.on_device.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         return StepTensors(*(self.on_device[s:e] for s, e in zip(offsets[:-1], offsets[1:])))

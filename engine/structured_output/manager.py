@@ -156,12 +156,14 @@ class StructuredOutputManager:
     def sampling_requests(self, scheduled: dict[str, int]) -> list[str]:
         """Constrained requests that sample a token in a step scheduling `scheduled`
         (req_id -> tokens, counted before `num_computed_tokens` advances): those whose
-        tokens reach the end of what they know; a prefill chunk short of it samples nothing."""
+        tokens reach the end of what they know (output placeholders of async scheduling
+        included); a prefill chunk short of it samples nothing."""
         return [
             req_id for req_id, request in self.requests.items()
             if req_id in scheduled and request.grammar is not None
             and request.grammar.matcher is not None
-            and request.num_computed_tokens + scheduled[req_id] >= request.num_tokens
+            and request.num_computed_tokens + scheduled[req_id]
+            >= request.num_tokens + request.num_output_placeholders
         ]
 
     def start_bitmask(self, req_ids: list[str]) -> GrammarBitmask:

@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 from kvferry.engine.config import SchedulerConfig
 from kvferry.engine.core.kv_cache import KVCacheManager
+from kvferry.engine.core.messages import FinishReason
 from kvferry.engine.core.request import Request, RequestStatus
 from kvferry.engine.core.scheduler import Scheduler
 from kvferry.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -386,3 +387,204 @@ STALE_BLOCK_SEEDS = (491, 645)
 def test_a_request_preempted_in_the_step_that_fills_a_block_leaves_it_unindexed() -> None:
     for seed in STALE_BLOCK_SEEDS:
         run_workload(Workload("priority", True, True, "tiny", seed))
+
+
+# ---------------------------------------------------------------------- async scheduling
+# The same workloads with one step always in flight, as the engine core runs them with
+# async scheduling: each step is scheduled before the previous one is updated, so requests
+# carry output placeholders for the tokens in flight. The test plays the device at launch
+# (it samples a step's tokens when the step is scheduled, and delivers them one step
+# later), and records its KV writes as done when its tokens are read (not before: the step
+# planned behind may still be running when the one before it is updated). Checked besides the
+# invariants above: a request's placeholders are exactly its tokens in flight; a request
+# never emits a token after the one that ended it; and every request's output equals the
+# synchronous loop's (a request aborted mid-run, a prefix of it).
+def token_at(req_id: str, index: int, blocked: list[int]) -> int:
+    """`sampled_token` for a request's `index`-th output."""
+    key = zlib.crc32(f"{req_id}:{index}".encode())
+    token = EOS if key % 16 == 0 else FIRST_TOKEN + key % NUM_SAMPLED_IDS
+    if token in blocked:
+        token = next(t for t in itertools.count(FIRST_TOKEN) if t not in blocked)
+    return token
+
+
+def async_workload(workload: Workload) -> tuple[Scheduler, list[Arrival], np.random.Generator]:
+    """The workload's scheduler with async scheduling on, its arrivals and its rng."""
+    rng = np.random.default_rng(workload.seed)
+    sync = make_scheduler(workload, rng)
+    arrivals = make_arrivals(rng, sync.config.max_model_len)
+    if workload.profile == "tiny":
+        for arrival in arrivals:
+            arrival.step //= 6
+    config = copy.copy(sync.config)
+    config.async_scheduling = True
+    manager = sync.kv_cache_manager
+    scheduler = Scheduler(config, KVCacheManager(manager.block_pool.num_blocks,
+                                                 manager.block_size, manager.enable_caching))
+    return scheduler, arrivals, rng
+
+
+def collect(outputs: dict[str, list], step_outputs: list) -> None:
+    """Appends each output's tokens (and finish reason, as the last entry) per request."""
+    for output in step_outputs:
+        tokens = outputs.setdefault(output.req_id, [])
+        assert not tokens or not isinstance(tokens[-1], str), (
+            f"{output.req_id} emitted {output.new_token_ids} after it finished: {tokens}")
+        tokens.extend(output.new_token_ids)
+        if output.finish_reason is not None:
+            tokens.append(str(output.finish_reason))
+
+
+def reference_outputs(workload: Workload) -> dict[str, list]:
+    """Every request's output in the synchronous loop, without aborts."""
+    rng = np.random.default_rng(workload.seed)
+    scheduler = make_scheduler(workload, rng)
+    arrivals = make_arrivals(rng, scheduler.config.max_model_len)
+    if workload.profile == "tiny":
+        for arrival in arrivals:
+            arrival.step //= 6
+    outputs: dict[str, list] = {}
+    for step in range(MAX_STEPS):
+        while arrivals and arrivals[0].step <= step:
+            scheduler.add_request(arrivals.pop(0).request)
+        if not arrivals and not scheduler.has_unfinished_requests():
+            return outputs
+        output = scheduler.schedule()
+        collect(outputs, scheduler.update_from_output(output, run_step(scheduler, output)))
+    raise AssertionError("the synchronous reference did not finish")
+
+
+@dataclass
+class LaunchedStep:
+    """A step given to the test's device: its plan, the tokens it samples, its KV writes."""
+
+    output: SchedulerOutput
+    runner_output: ModelRunnerOutput
+    writes: list[tuple]
+
+
+def launch(scheduler: Scheduler, output: SchedulerOutput,
+           in_flight: dict[str, list[int]]) -> LaunchedStep:
+    """Plays the device for a step just scheduled: its KV writes (over the tokens known on
+    the device: the requests' tokens and those in flight), and a token for each request
+    whose known tokens all have KV after the step."""
+    manager = scheduler.kv_cache_manager
+    req_ids, tokens, writes = [], [], []
+    for req_id in output.num_scheduled_tokens:
+        request = scheduler.requests[req_id]
+        pending = in_flight.setdefault(req_id, [])
+        known = request.all_token_ids + pending
+        writes.append((known, manager.get_block_ids(req_id), request.num_computed_tokens))
+        if request.num_computed_tokens < len(known):
+            continue  # a partial prefill chunk
+        blocked = output.blocked_stop_token_ids.get(req_id, [])
+        token = token_at(req_id, request.num_output_tokens + len(pending), blocked)
+        pending.append(token)
+        req_ids.append(req_id)
+        tokens.append(token)
+    return LaunchedStep(output, ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=tokens),
+                        writes)
+
+
+def finish(scheduler: Scheduler, step: LaunchedStep, computed: ComputedBlocks,
+           outputs: dict[str, list]) -> None:
+    """The device is done with the step: its KV is written, its tokens are read."""
+    for write in step.writes:
+        computed.written(*write)
+    collect(outputs, scheduler.update_from_output(step.output, step.runner_output))
+
+
+def check_placeholders(scheduler: Scheduler, in_flight: dict[str, list[int]]) -> None:
+    for req_id, request in scheduler.requests.items():
+        assert request.num_output_placeholders == len(in_flight.get(req_id, [])), req_id
+
+
+def check_plan_limits_async(scheduler: Scheduler, output: SchedulerOutput) -> None:
+    config = scheduler.config
+    scheduled = output.num_scheduled_tokens
+    assert output.total_num_scheduled_tokens == sum(scheduled.values())
+    assert output.total_num_scheduled_tokens <= config.max_num_batched_tokens
+    assert all(n > 0 for n in scheduled.values())
+    assert len(scheduler.running) <= config.max_num_seqs
+    for req_id in scheduled:
+        request = scheduler.requests[req_id]
+        # After the schedule, a step that samples the request holds a placeholder: what
+        # it computes reaches at most the token before it.
+        known = request.num_tokens + request.num_output_placeholders
+        assert request.num_computed_tokens <= min(known, config.max_model_len), req_id
+        assert request.num_output_tokens + request.num_output_placeholders \
+            <= request.max_output_tokens, req_id
+
+
+def drive_async(scheduler: Scheduler, arrivals: list[Arrival], rng: np.random.Generator,
+                abort_probability: float) -> tuple[dict[str, list], int]:
+    """Runs arrivals to completion with one step in flight, checking every step; returns
+    the outputs and the number of preemptions."""
+    computed = ComputedBlocks(scheduler.kv_cache_manager.block_size)
+    arrivals = list(arrivals)
+    in_flight: dict[str, list[int]] = {}
+    launched: LaunchedStep | None = None
+    outputs: dict[str, list] = {}
+    num_preemptions = 0
+    for step in range(MAX_STEPS):
+        while arrivals and arrivals[0].step <= step:
+            scheduler.add_request(arrivals.pop(0).request)
+        if not arrivals and not scheduler.has_unfinished_requests() and launched is None:
+            break
+        maybe_abort(scheduler, rng, abort_probability)
+        output = schedule_both_ways(scheduler)
+        if not arrivals and output.is_empty and launched is None:
+            assert output.preempted_req_ids or not scheduler.has_unfinished_requests(), step
+        num_preemptions += len(output.preempted_req_ids)
+        check_plan_limits_async(scheduler, output)
+        check_block_ownership(scheduler)
+        computed.forget_fresh_blocks(output)
+        newest = launch(scheduler, output, in_flight)
+        check_placeholders(scheduler, in_flight)
+        maybe_abort(scheduler, rng, abort_probability / 2)  # while the steps run
+        if launched is not None:
+            finish(scheduler, launched, computed, outputs)
+            for req_id in launched.runner_output.req_ids:
+                if req_id in in_flight:  # else aborted, and forgotten already
+                    in_flight[req_id].pop(0)
+        launched = newest
+        if not output.total_num_scheduled_tokens:  # nothing to wait for: updated at once
+            finish(scheduler, newest, computed, outputs)
+            launched = None
+        for req_id in [r for r in in_flight if r not in scheduler.requests]:
+            del in_flight[req_id]  # finished: its tokens in flight are dropped
+        check_placeholders(scheduler, in_flight)
+        check_block_ownership(scheduler)
+        check_index_holds_computed_kv(scheduler, computed)
+    else:
+        raise AssertionError(f"requests left after {MAX_STEPS} steps: {list(scheduler.requests)}")
+    manager = scheduler.kv_cache_manager
+    assert manager.num_free_blocks == manager.block_pool.num_blocks - 1
+    assert manager.req_to_blocks == {}
+    assert scheduler.running == [] and len(scheduler.waiting) == 0
+    assert scheduler.in_flight is not None and len(scheduler.in_flight) == 0
+    return outputs, num_preemptions
+
+
+@pytest.mark.parametrize("profile", ["mixed", "tiny"])
+@pytest.mark.parametrize("enable_chunked_prefill", [True, False])
+@pytest.mark.parametrize("enable_caching", [False, True])
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_random_workloads_with_async_scheduling_equal_the_synchronous_loop(
+    policy: str, enable_caching: bool, enable_chunked_prefill: bool, profile: str
+) -> None:
+    total_preemptions = 0
+    for seed in SEEDS:
+        workload = Workload(policy, enable_caching, enable_chunked_prefill, profile, seed)
+        expected = reference_outputs(workload)
+        outputs, num_preemptions = drive_async(*async_workload(workload), abort_probability=0)
+        assert outputs == expected, workload
+        total_preemptions += num_preemptions
+        # With aborts, also while steps are in flight: every output is a prefix of the
+        # synchronous one, or all of it.
+        outputs, _ = drive_async(*async_workload(workload), abort_probability=0.04)
+        for req_id, tokens in outputs.items():
+            if tokens and tokens[-1] == str(FinishReason.ABORT):
+                tokens = tokens[:-1]
+            assert tokens == expected[req_id][:len(tokens)], (workload, req_id)
+    assert total_preemptions > 0

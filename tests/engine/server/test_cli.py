@@ -305,6 +305,13 @@ def test_the_embeds_body_limit_applies_only_with_prompt_embeds(
     assert not engine_config_from_args(parse_serve(base)).model.enable_prompt_embeds
 
 
+def test_async_scheduling_is_off_unless_asked_for() -> None:
+    base = ["kvferry", "serve", "--model", "demo"]
+    assert not engine_config_from_args(parse_serve(base)).scheduler.async_scheduling
+    assert engine_config_from_args(parse_serve([*base, "--async-scheduling"])) \
+        .scheduler.async_scheduling
+
+
 def test_the_redis_url_comes_from_kvferry_redis_url_or_the_deprecated_name(
         caplog: pytest.LogCaptureFixture) -> None:
     assert pod_environment({"KVFERRY_REDIS_URL": "redis://new:6379/0"}).redis_url == \
