@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
+import logging
 import os
 import socket
 import statistics
@@ -336,6 +338,9 @@ def main() -> None:
     dtype = torch.bfloat16 if on_gpu else torch.float32
     element_size = torch.empty((), dtype=dtype).element_size()
     quiet_hf()
+    # The engine's start-up lines: memory profile, KV cache size, graph capture time.
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("kvferry").setLevel(logging.INFO)
     name = torch.cuda.get_device_name(device) if on_gpu else f"cpu ({os.cpu_count()} cores)"
     print(f"device: {name}; model {setup.shape}; {dtype_name}", flush=True)
     figures: dict[str, Any] = {"benchmark": "gpu_engine", "device": name,
@@ -368,6 +373,7 @@ def main() -> None:
               f"{step_ms:.2f} ms (floor {floor_ms:.2f} ms, {step_ms / floor_ms:.1f}x); GPU busy "
               f"{'n/a' if busy is None else f'{100 * busy:.0f}%'}", flush=True)
         del llm
+        gc.collect()  # the engine's cycles hold its KV cache and graphs until collected
         if on_gpu:
             torch.cuda.empty_cache()
 

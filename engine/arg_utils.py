@@ -96,6 +96,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="triton: slot-mapped paged kernels; torch: the CPU path; auto "
                             "(default): triton on a GPU, torch on CPU")
     group.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="run every step eagerly: no CUDA graphs of decode steps (saves "
+                            "their capture time and memory)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -129,6 +132,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         ),
         attention_backend=args.attention_backend,
         device=args.device,
+        enforce_eager=args.enforce_eager,
     )
 
 

@@ -143,6 +143,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     # "cpu", "cuda", or "auto" (cuda when available).
     device: str = "auto"
+    # Decode-only steps replay CUDA graphs on a GPU (runner/cuda_graphs.py); True runs
+    # every step eagerly (no capture at start-up, no graph memory).
+    enforce_eager: bool = False
     # KV transfer between engines (prefill/decode disaggregation); None: colocated only.
     kv_transfer: KVTransferConfig | None = None
 

@@ -88,12 +88,14 @@ class EngineCore:
             None if cache_cfg.num_gpu_blocks_override is not None
             else self.runner.measure_kv_cache_budget(
                 cache_cfg.gpu_memory_utilization, sched_cfg.max_num_seqs,
-                sched_cfg.max_num_encoder_tokens or 0)
+                sched_cfg.max_num_encoder_tokens or 0, decode_graphs=self.uses_decode_graphs)
         )
         num_blocks = determine_num_blocks(self.arch, cache_cfg, self.dtype, gpu_budget)
         check_kv_cache_fits(num_blocks, cache_cfg, self.max_model_len, self.device,
                             max_encoder_len)
         self.runner.initialize_kv_cache(num_blocks)
+        if self.uses_decode_graphs:
+            self.runner.enable_decode_graphs()
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching
         )
@@ -138,6 +140,13 @@ class EngineCore:
             self.model_dir, self.arch.architecture, self.device, self.dtype,
             self.max_model_len, num_blocks,
         )
+
+    @property
+    def uses_decode_graphs(self) -> bool:
+        """Whether decode-only steps replay CUDA graphs: on a GPU, unless `enforce_eager`;
+        encoder-decoder models (cross-attention) run eagerly."""
+        return (self.device.type == "cuda" and not self.config.enforce_eager
+                and not self.arch.is_encoder_decoder)
 
     def _transfer_groups(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The cache tensor of each block group the transfer layer moves: self-attention,

@@ -48,6 +48,7 @@ class LLM:
         enable_prompt_embeds: bool = False,
         max_num_encoder_tokens: int | None = None,
         async_scheduling: bool = False,
+        enforce_eager: bool = False,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -69,6 +70,7 @@ class LLM:
             ),
             attention_backend=attention_backend,
             device=device,
+            enforce_eager=enforce_eager,
         )
         self.llm_engine = LLMEngine(config)
 

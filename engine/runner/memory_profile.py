@@ -6,21 +6,24 @@ is loaded and one profiling step of the largest size the scheduler can produce
 sampler) has run, so no later step can run out of memory:
 
     budget = utilization * total - (total - free after profiling) - activation peak
+             - decode graphs
 
 `total - free` is everything resident now (weights, CUDA context, other processes); the
 activation peak is the most the profiling step allocated above that, which every step of
-that size allocates again. On CPU the budget is explicit (`kv_cache_memory_bytes`).
+that size allocates again. The decode graphs (cuda_graphs.py) keep their own memory pool
+for good: what a decode step of the largest capture size allocates, measured by running
+one (the smaller graphs reuse the pool). On CPU the budget is explicit
+(`kv_cache_memory_bytes`).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-from dataclasses import replace
-
 from kvferry.engine.attention.backend import AttentionMetadata, AttentionType
 from kvferry.engine.models.encoder_decoder import EncoderBatch
 from kvferry.engine.sample.metadata import SamplingMetadata
@@ -31,12 +34,13 @@ logger = logging.getLogger(__name__)
 
 
 def gpu_kv_cache_budget(
-    total_bytes: int, free_bytes: int, utilization: float, activation_peak_bytes: int
+    total_bytes: int, free_bytes: int, utilization: float, activation_peak_bytes: int,
+    graph_bytes: int = 0,
 ) -> int:
-    """Bytes the KV cache may take (negative when the weights and activations alone
-    exceed the share of the device granted)."""
+    """Bytes the KV cache may take (negative when the weights, activations and decode
+    graphs alone exceed the share of the device granted)."""
     in_use = total_bytes - free_bytes
-    return int(total_bytes * utilization) - in_use - activation_peak_bytes
+    return int(total_bytes * utilization) - in_use - activation_peak_bytes - graph_bytes
 
 
 def profile_batch(
@@ -156,23 +160,36 @@ def measure_gpu_kv_cache_budget(
     model: torch.nn.Module, vocab_size: int, num_tokens: int, max_num_seqs: int,
     max_model_len: int, block_size: int, kv_cache_shape: tuple[int, ...],
     dtype: torch.dtype, device: torch.device, utilization: float,
-    encoder: EncoderProfile | None = None,
+    encoder: EncoderProfile | None = None, graph_rows: int = 0,
 ) -> int:
-    """Runs the profiling step on `device` (CUDA) and returns the KV cache budget in bytes."""
+    """Runs the profiling step on `device` (CUDA) and returns the KV cache budget in bytes;
+    `graph_rows` > 0: less what decode graphs up to that many rows will hold."""
+    activation_peak = _peak_bytes(device, lambda: run_profile_step(
+        model, vocab_size, num_tokens, max_num_seqs, max_model_len, block_size,
+        kv_cache_shape, dtype, device, encoder))
+    # A decode step of `graph_rows` one-token requests: one request per token.
+    graph_bytes = 0 if graph_rows == 0 else _peak_bytes(device, lambda: run_profile_step(
+        model, vocab_size, graph_rows, graph_rows, 1, block_size, kv_cache_shape, dtype,
+        device))
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    budget = gpu_kv_cache_budget(total, free, utilization, activation_peak, graph_bytes)
+    logger.info(
+        "memory profile: %.2f GiB of %.2f GiB in use after loading, activation peak %.2f GiB "
+        "(%d tokens, %d rows), decode graphs %.2f GiB (%d rows); KV cache budget %.2f GiB "
+        "at gpu_memory_utilization %.2f",
+        (total - free) / 2**30, total / 2**30, activation_peak / 2**30, num_tokens,
+        min(max_num_seqs, num_tokens), graph_bytes / 2**30, graph_rows, budget / 2**30,
+        utilization,
+    )
+    return budget
+
+
+def _peak_bytes(device: torch.device, step: Callable[[], None]) -> int:
+    """The most `step` allocates on `device` above what was allocated before it."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     baseline = torch.cuda.memory_allocated(device)
-    run_profile_step(model, vocab_size, num_tokens, max_num_seqs, max_model_len, block_size,
-                     kv_cache_shape, dtype, device, encoder)
+    step()
     torch.cuda.synchronize(device)
-    activation_peak = torch.cuda.max_memory_allocated(device) - baseline
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    budget = gpu_kv_cache_budget(total, free, utilization, activation_peak)
-    logger.info(
-        "memory profile: %.2f GiB of %.2f GiB in use after loading, activation peak %.2f GiB "
-        "(%d tokens, %d rows); KV cache budget %.2f GiB at gpu_memory_utilization %.2f",
-        (total - free) / 2**30, total / 2**30, activation_peak / 2**30, num_tokens,
-        min(max_num_seqs, num_tokens), budget / 2**30, utilization,
-    )
-    return budget
+    return torch.cuda.max_memory_allocated(device) - baseline

@@ -35,6 +35,7 @@ from kvferry.engine.runner.async_output import (
     unpack_on_host,
 )
 from kvferry.engine.runner.cpu_malloc import keep_activation_memory
+from kvferry.engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, is_decode_only
 from kvferry.engine.runner.input_batch import CachedRequestState, InputBatch
 from kvferry.engine.runner.memory_profile import EncoderProfile, measure_gpu_kv_cache_budget
 from kvferry.engine.runner.prepare_inputs import InputBuffers, PreparedInputs, prepare_inputs
@@ -120,6 +121,8 @@ class ModelRunner:
         self.buffers = InputBuffers.allocate(max_num_batched_tokens, max_num_reqs)
         self.staging = StepStaging(max_num_batched_tokens, max_num_reqs, device)
         self.sampler = Sampler()
+        # Decode-only steps through CUDA graphs (cuda_graphs.py); None: every step eager.
+        self.graphs: DecodeGraphs | None = None
         # Async scheduling: sampled tokens still on the device (async_output.py).
         self.pending = PendingTokens(self.input_batch)
         # Every request the runner knows, in the batch or not (unscheduled this step).
@@ -138,15 +141,18 @@ class ModelRunner:
         return (num_blocks, arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_size)
 
     def measure_kv_cache_budget(self, utilization: float, max_num_seqs: int,
-                                max_num_encoder_tokens: int = 0) -> int | None:
+                                max_num_encoder_tokens: int = 0,
+                                decode_graphs: bool = False) -> int | None:
         """On a GPU, the KV cache budget in bytes after a profiling step of the largest
-        size (memory_profile.py); None on CPU, where the budget is configured."""
+        size (memory_profile.py), less what the decode graphs will hold when
+        `decode_graphs`; None on CPU, where the budget is configured."""
         if self.device.type != "cuda":
             return None
         return measure_gpu_kv_cache_budget(
             self.model, self.arch.vocab_size, self.max_num_batched_tokens, max_num_seqs,
             self.max_model_len, self.block_size, self.kv_cache_shape(1), self.dtype,
             self.device, utilization, self.encoder_profile(max_num_encoder_tokens),
+            graph_rows=self.decode_graph_sizes[-1] if decode_graphs else 0,
         )
 
     def encoder_profile(self, max_num_encoder_tokens: int) -> EncoderProfile | None:
@@ -160,6 +166,25 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache, self.kv_caches = self._allocate_kv_cache(num_blocks, self.dtype)
+
+    @property
+    def decode_graph_sizes(self) -> list[int]:
+        """The batch sizes of decode-only steps `enable_decode_graphs` captures."""
+        return capture_sizes(self.input_batch.max_num_reqs, self.max_num_batched_tokens)
+
+    def enable_decode_graphs(self) -> None:
+        """From now on decode-only steps run through `DecodeGraphs`: captured here on a GPU
+        (the KV cache must be allocated: the graphs hold its address), run eagerly over the
+        same padded buffers on the CPU (what the CPU tests check)."""
+        if self.is_encoder_decoder:
+            raise ValueError("decode graphs do not cover cross-attention (encoder-decoder "
+                             "models run eagerly)")
+        graphs = DecodeGraphs(self.decode_graph_sizes, self.input_batch.block_table.device,
+                              self.max_model_len, self.device)
+        graphs.bind(self.model, self.model.compute_logits, self.kv_caches)
+        if self.device.type == "cuda":
+            graphs.capture()
+        self.graphs = graphs
 
     def _allocate_kv_cache(
         self, num_blocks: int, dtype: torch.dtype
@@ -243,6 +268,9 @@ class ModelRunner:
             num_scheduled, batch.num_computed_tokens, batch.num_tokens, batch.token_ids.np,
             batch.block_table.np, self.block_size, self.buffers,
         )
+        graph_size = self._graph_size(prepared)
+        if graph_size is not None:
+            return self._forward_graph(scheduler_output, prepared, graph_size, deferred)
         # One host-to-device copy of the step's index arrays (the block table is the other).
         staged = self.staging.stage(prepared)
         if deferred:
@@ -264,6 +292,32 @@ class ModelRunner:
         if forward.rows:  # else every request is mid-prefill
             forward.logits = self.model.compute_logits(hidden[staged.logits_indices])
             forward.states = list(map(batch.states.__getitem__, forward.rows))
+        return forward
+
+    def _graph_size(self, prepared: PreparedInputs) -> int | None:
+        """The graph a step replays: its padded size, or None to run it eagerly (no graphs,
+        a prefill among its rows, a prompt of embeddings, prompt logprobs, too many rows)."""
+        if self.graphs is None or self._scoring_prompts or not is_decode_only(prepared):
+            return None
+        num_reqs = prepared.seq_lens.shape[0]
+        if self.input_batch.prompt_embeds_rows(num_reqs).size:
+            return None
+        return self.graphs.padded_size(num_reqs)
+
+    def _forward_graph(self, scheduler_output: SchedulerOutput, prepared: PreparedInputs,
+                       size: int, deferred: bool) -> ForwardPass:
+        """A decode-only step through the graph of `size` rows (see cuda_graphs.py)."""
+        assert self.graphs is not None
+        num_reqs = prepared.seq_lens.shape[0]
+        inputs = self.graphs.stage(prepared, size)
+        if deferred:
+            self.pending.fill_inputs(inputs.input_ids, prepared.input_ids,
+                                     prepared.query_start_loc)
+        self.input_batch.block_table.copy_to_device(num_reqs)
+        forward = ForwardPass(scheduler_output)
+        forward.rows = list(range(num_reqs))
+        forward.states = list(map(self.input_batch.states.__getitem__, forward.rows))
+        forward.logits = self.graphs.run(num_reqs, size)
         return forward
 
     def _sample(self, forward: ForwardPass,
