@@ -143,12 +143,26 @@ def kv_bytes(shape: ModelShape, num_tokens: int, element_size: int) -> int:
 
 
 # ---------------------------------------------------------------------- kvferry offline
-def make_llm(path: Path, setup: Setup, device: str, dtype: str) -> Any:
+def make_llm(path: Path, setup: Setup, device: str, dtype: str, engine_flags: EngineFlags) -> Any:
     from kvferry import LLM
 
     return LLM(model=str(path), dtype=dtype, device=device, max_model_len=setup.max_model_len,
                max_num_seqs=max(setup.decode_batch, min(setup.num_requests, 256)),
-               max_num_batched_tokens=max(2048, setup.max_model_len))
+               max_num_batched_tokens=max(2048, setup.max_model_len),
+               async_scheduling=engine_flags.async_scheduling,
+               enforce_eager=engine_flags.enforce_eager)
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    """Engine settings of both the offline and the server runs."""
+
+    async_scheduling: bool = False
+    enforce_eager: bool = False
+
+    def cli(self) -> list[str]:
+        return ((["--async-scheduling"] if self.async_scheduling else [])
+                + (["--enforce-eager"] if self.enforce_eager else []))
 
 
 def run_offline(llm: Any, workload: Workload) -> float:
@@ -252,7 +266,7 @@ def free_port() -> int:
 
 
 def run_server(path: Path, setup: Setup, workload: Workload, device: str, dtype: str,
-               log: Path) -> float:
+               log: Path, engine_flags: EngineFlags) -> float:
     """Output tokens per second of `kvferry serve` with the whole workload sent at once."""
     port = free_port()
     command = [sys.executable, "-m", "kvferry.cli", "serve", "--model", str(path),
@@ -260,7 +274,8 @@ def run_server(path: Path, setup: Setup, workload: Workload, device: str, dtype:
                "--dtype", dtype, "--max-model-len", str(setup.max_model_len),
                "--max-num-seqs", str(min(setup.num_requests, 256)),
                "--max-num-batched-tokens", str(max(2048, setup.max_model_len)),
-               "--served-model-name", "bench", "--uvicorn-log-level", "warning"]
+               "--served-model-name", "bench", "--uvicorn-log-level", "warning",
+               *engine_flags.cli()]
     with log.open("wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -325,6 +340,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-hf", action="store_true", help="leave out the HF baseline")
     parser.add_argument("--skip-server", action="store_true", help="leave out the server run")
     parser.add_argument("--decode-steps", type=int, default=20)
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="the engine schedules a step while the GPU runs the last one")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
@@ -354,7 +372,9 @@ def main() -> None:
         figures["copy_gbps"] = round(bandwidth / 1e9, 1)
         print(f"device copy: {bandwidth / 1e9:.1f} GB/s", flush=True)
 
-        llm = make_llm(path, setup, args.device, dtype_name)
+        engine_flags = EngineFlags(args.async_scheduling, args.enforce_eager)
+        figures.update(async_scheduling=args.async_scheduling, enforce_eager=args.enforce_eager)
+        llm = make_llm(path, setup, args.device, dtype_name, engine_flags)
         run_offline(llm, Workload(workload.prompts[:4], [4] * 4))  # warm-up
         tok_s = run_offline(llm, workload)
         figures["tok_s"] = round(tok_s, 4)
@@ -384,7 +404,7 @@ def main() -> None:
                   f"kvferry / HF = {tok_s / hf_tok_s:.2f}", flush=True)
         if not args.skip_server:
             server_tok_s = run_server(path, setup, workload, args.device, dtype_name,
-                                      Path(tmp_name) / "serve.log")
+                                      Path(tmp_name) / "serve.log", engine_flags)
             figures.update(server_tok_s=round(server_tok_s, 4),
                            server_ratio=round(server_tok_s / tok_s, 3))
             print(f"kvferry serve, the workload at once: {server_tok_s:,.0f} tokens/s; "
