@@ -75,19 +75,22 @@ class Setup:
     decode_batch: int
     decode_context: int
     max_model_len: int
+    # Tokens per step: prefill chunks and decodes together (vLLM's offline default on an
+    # H100 is larger still); fewer, larger prefill steps for the 147k prompt tokens.
+    max_num_batched_tokens: int
 
 
 FULL = Setup(
     shape=ModelShape(num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8,
                      intermediate_size=8192, vocab_size=128_256, max_position_embeddings=2048),
     num_requests=256, prompt_lens=(128, 1024), output_lens=(128, 256), hf_batch_size=64,
-    decode_batch=128, decode_context=1024, max_model_len=2048,
+    decode_batch=128, decode_context=1024, max_model_len=2048, max_num_batched_tokens=8192,
 )
 SMOKE = Setup(
     shape=ModelShape(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
                      intermediate_size=128, vocab_size=512, max_position_embeddings=256),
     num_requests=12, prompt_lens=(8, 40), output_lens=(4, 12), hf_batch_size=4,
-    decode_batch=4, decode_context=32, max_model_len=256,
+    decode_batch=4, decode_context=32, max_model_len=256, max_num_batched_tokens=256,
 )
 
 
@@ -148,7 +151,7 @@ def make_llm(path: Path, setup: Setup, device: str, dtype: str, engine_flags: En
 
     return LLM(model=str(path), dtype=dtype, device=device, max_model_len=setup.max_model_len,
                max_num_seqs=max(setup.decode_batch, min(setup.num_requests, 256)),
-               max_num_batched_tokens=max(2048, setup.max_model_len),
+               max_num_batched_tokens=setup.max_num_batched_tokens,
                async_scheduling=engine_flags.async_scheduling,
                enforce_eager=engine_flags.enforce_eager)
 
@@ -273,11 +276,12 @@ def run_server(path: Path, setup: Setup, workload: Workload, device: str, dtype:
                "--host", "127.0.0.1", "--port", str(port), "--device", device,
                "--dtype", dtype, "--max-model-len", str(setup.max_model_len),
                "--max-num-seqs", str(min(setup.num_requests, 256)),
-               "--max-num-batched-tokens", str(max(2048, setup.max_model_len)),
+               "--max-num-batched-tokens", str(setup.max_num_batched_tokens),
                "--served-model-name", "bench", "--uvicorn-log-level", "warning",
                *engine_flags.cli()]
     with log.open("wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        # Outside the repository: its kvferry/ folder must not shadow the installed package.
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=log.parent)
     try:
         wait_ready(f"http://127.0.0.1:{port}/health", proc, log, 600)
         return asyncio.run(send_workload(f"http://127.0.0.1:{port}/v1/completions",

@@ -143,9 +143,12 @@ class EngineCore:
 
     @property
     def uses_decode_graphs(self) -> bool:
-        """Whether decode-only steps replay CUDA graphs: on a GPU, unless `enforce_eager`;
-        encoder-decoder models (cross-attention) run eagerly."""
+        """Whether decode-only steps replay CUDA graphs: on a GPU with the Triton backend,
+        unless `enforce_eager`. The torch backend plans its decodes on the host from each
+        step's lengths, and encoder-decoder models' cross-attention is not in the graphs:
+        those run eagerly."""
         return (self.device.type == "cuda" and not self.config.enforce_eager
+                and self.runner.attn_backend.name == "triton"
                 and not self.arch.is_encoder_decoder)
 
     def _transfer_groups(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -179,6 +179,9 @@ class ModelRunner:
         if self.is_encoder_decoder:
             raise ValueError("decode graphs do not cover cross-attention (encoder-decoder "
                              "models run eagerly)")
+        if self.device.type == "cuda" and self.attn_backend.name != "triton":
+            raise ValueError(f"CUDA graphs need the triton attention backend; "
+                             f"{self.attn_backend.name} plans each step on the host")
         graphs = DecodeGraphs(self.decode_graph_sizes, self.input_batch.block_table.device,
                               self.max_model_len, self.device)
         graphs.bind(self.model, self.model.compute_logits, self.kv_caches)

@@ -33,8 +33,9 @@ def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                             "--gpu-memory-utilization", "0.3", "--served-model-name", "tiny",
                             "--api-key", API_KEY)
     with log_path.open("wb") as log:
+        # Outside the repository: its kvferry/ folder must not shadow the installed package.
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, cwd=log_path.parent)
     server = ServerProcess(proc, port, log_path, API_KEY)
     try:
         server.wait_ready()
