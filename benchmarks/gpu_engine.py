@@ -226,9 +226,10 @@ def gpu_busy_share(engine: Any, device: torch.device, num_steps: int = 8) -> flo
             engine.step()
         synchronize(device)
         wall_us = (time.perf_counter() - start) * 1e6
-    intervals = sorted(
-        (e.time_range.start, e.time_range.end) for e in prof.events()
-        if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    kernels = [e for e in prof.events()
+               if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
+    print_top_kernels(kernels, num_steps)
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in kernels)
     busy, current_start, current_end = 0.0, None, None
     for begin, end in intervals:
         if current_end is None or begin > current_end:
@@ -240,6 +241,18 @@ def gpu_busy_share(engine: Any, device: torch.device, num_steps: int = 8) -> flo
     if current_end is not None:
         busy += current_end - current_start
     return min(1.0, busy / wall_us)
+
+
+def print_top_kernels(kernels: list[Any], num_steps: int, top: int = 12) -> None:
+    """Where a decode step's GPU time goes: the kernels of most total time, per step."""
+    totals: dict[str, list[float]] = {}
+    for event in kernels:
+        entry = totals.setdefault(event.name, [0.0, 0])
+        entry[0] += event.time_range.end - event.time_range.start
+        entry[1] += 1
+    print(f"GPU time per decode step by kernel (top {top}, us; launches):", flush=True)
+    for name, (micros, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {micros / num_steps:9.1f}  {count / num_steps:5.0f}  {name[:100]}", flush=True)
 
 
 # ---------------------------------------------------------------------- HF baseline

@@ -26,6 +26,11 @@ rm -rf "$SITE"
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl || exit 1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" . || exit 1
 export PYTHONPATH="$SITE"
+# Every import the server, its tests and the benchmarks need, before anything long runs: a
+# package the wheels lack fails here in seconds (scripts/device_wheels.sh lists them).
+python3 -P -c "import kvferry.engine.server.api_server, kvferry.engine.server.cli, openai, \
+aiohttp, httpx, redis, zmq, msgspec; from fastapi.dependencies.utils import \
+ensure_multipart_is_installed as check; check()" || exit 1
 
 status=0
 # The engine against HF generate and the memory floor first: its figures are what a short

@@ -15,6 +15,8 @@ WHEELS=(
     uvicorn httptools
     openai distro jiter sniffio
     redis pytest-asyncio
+    opentelemetry-api python-multipart
+    httpx2 httpcore2 truststore
 )
 
 # The versions this machine runs the tests with, where it has them (a consistent set:
