@@ -23,7 +23,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 import torch
 from kvferry.engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -40,7 +42,8 @@ from kvferry.engine.core.messages import (
 )
 from kvferry.engine.core.request import Request, RequestStatus
 from kvferry.engine.core.scheduler import Scheduler
-from kvferry.engine.core.scheduler_output import SchedulerOutput
+from kvferry.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kvferry.engine.executor.base import Executor, InProcessExecutor
 from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.models.loader import resolve_dtype
 from kvferry.engine.models.source import resolve_model_source
@@ -116,6 +119,10 @@ class EngineCore:
         )
         # Async scheduling: the step launched and not yet updated.
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
+        # What runs the steps, and (max_concurrent_batches > 1) the microbatches submitted
+        # to it and not yet updated, oldest first.
+        self.executor: Executor = InProcessExecutor(self.runner)
+        self._microbatches: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self.info = EngineCoreInfo(
             model_dir=str(self.model_dir),
             architecture=self.arch.architecture,
@@ -225,16 +232,20 @@ class EngineCore:
             self.runner.release_prompt_embeds(self.scheduler.finished_req_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
+                or bool(self._microbatches))
 
     def has_requests_to_compute(self) -> bool:
         """False while the only work is transfers (pulls in flight, blocks held for one)."""
-        return self.scheduler.has_requests_to_compute() or self._in_flight is not None
+        return (self.scheduler.has_requests_to_compute() or self._in_flight is not None
+                or bool(self._microbatches))
 
     # ------------------------------------------------------------------ step
     def step(self) -> EngineCoreOutputs:
         """Schedules, executes and updates one step; returns what it produced (with async
         scheduling: launches one step and returns what the previous one produced)."""
+        if self.config.scheduler.max_concurrent_batches > 1:
+            return self._step_microbatches()
         if self.scheduler.in_flight is not None:
             return self._step_overlapped()
         outputs = self._collect_transfers()
@@ -249,7 +260,7 @@ class EngineCore:
         if scheduler_output.grammar_req_ids:
             bitmask = self.structured_output.start_bitmask(scheduler_output.grammar_req_ids)
         try:
-            runner_output = self.runner.execute_model(scheduler_output, bitmask)
+            runner_output = self.executor.submit(scheduler_output, bitmask).result()
         except Exception as exc:  # noqa: BLE001 - one bad step must not take every request down
             outputs += self._fail_step(scheduler_output, exc)
         else:
@@ -293,6 +304,43 @@ class EngineCore:
         self._release_finished_embeds()
         return EngineCoreOutputs(outputs, self.make_stats(), queue_times)
 
+    def _step_microbatches(self) -> EngineCoreOutputs:
+        """Up to `max_concurrent_batches` microbatches in flight (seed 001's two-stage loop):
+        schedules and submits microbatches while there is room and something to compute,
+        then waits for the oldest and applies its tokens. A request whose token is in
+        flight is in no other microbatch (core/scheduler.py); with an in-process executor
+        each submit runs at once and this is the synchronous loop."""
+        outputs = self._collect_transfers()
+        outputs += self._admit_compiled_grammars()
+        queue_times: dict[str, float] = {}
+        limit = self.config.scheduler.max_concurrent_batches
+        while len(self._microbatches) < limit:
+            scheduler_output = self.scheduler.schedule()
+            if self.kv_connector is not None:
+                self.kv_connector.start_transfers()
+            queue_times.update(self._queue_times(scheduler_output))
+            future = self.executor.submit(scheduler_output, self._start_bitmask(scheduler_output))
+            if not scheduler_output.total_num_scheduled_tokens:
+                # Nothing to compute (it tells the runner who finished, or runs encoders
+                # only): an executor completes it at once; nothing more to schedule until
+                # a microbatch comes back.
+                outputs += self._finish_microbatch(scheduler_output, future)
+                break
+            self._microbatches.append((scheduler_output, future))
+        if self._microbatches:
+            outputs += self._finish_microbatch(*self._microbatches.popleft())
+        self._release_finished_embeds()
+        return EngineCoreOutputs(outputs, self.make_stats(), queue_times)
+
+    def _finish_microbatch(self, scheduler_output: SchedulerOutput,
+                           future: Future[ModelRunnerOutput]) -> list[EngineCoreOutput]:
+        """Waits for a microbatch's tokens and applies them."""
+        try:
+            runner_output = future.result()
+        except Exception as exc:  # noqa: BLE001 - one bad microbatch must not take every request down
+            return self._fail_step(scheduler_output, exc)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
     def _start_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
         """The step's grammar bitmask, filled on a worker thread while the model runs; None
         in a step without grammars. The previous step was updated first: a request its
@@ -335,7 +383,9 @@ class EngineCore:
         return stats
 
     def shutdown(self) -> None:
-        """Stops the KV connector's threads and side channel, and the grammar threads."""
+        """Stops the executor, the KV connector's threads and side channel, and the grammar
+        threads."""
+        self.executor.shutdown()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
         self.structured_output.shutdown()

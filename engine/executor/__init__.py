@@ -1,0 +1,2 @@
+"""Executors: what runs the steps the engine core schedules (in this process, or across
+pipeline stages)."""

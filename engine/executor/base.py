@@ -1,0 +1,52 @@
+"""The executor interface the engine core submits microbatches to.
+
+The engine core schedules a step (a microbatch) and hands it to an executor with `submit`,
+which returns at once with a future of the step's `ModelRunnerOutput`. An executor of a
+pipeline of P stages keeps up to P microbatches in flight (`max_concurrent_batches`): the
+core submits microbatch k + 1 while stage s still works on k (core/microbatches.py). The
+in-process executor runs the step at once, so the same loop is the synchronous one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from kvferry.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from kvferry.engine.runner.model_runner import ModelRunner
+    from kvferry.engine.structured_output.manager import GrammarBitmask
+
+
+class Executor(ABC):
+    """Runs scheduled steps and hands back their sampled tokens."""
+
+    # Microbatches that may be in flight at once (a pipeline's number of stages).
+    max_concurrent_batches: int = 1
+
+    @abstractmethod
+    def submit(self, scheduler_output: SchedulerOutput,
+               grammar_bitmask: GrammarBitmask | None = None) -> Future[ModelRunnerOutput]:
+        """Starts the step; its future resolves to the step's output, or to the exception
+        that failed it. Steps complete in the order they were submitted."""
+
+    def shutdown(self) -> None:
+        """Stops whatever the executor started (processes, threads)."""
+
+
+class InProcessExecutor(Executor):
+    """The model runner of this process: a step runs when it is submitted."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def submit(self, scheduler_output: SchedulerOutput,
+               grammar_bitmask: GrammarBitmask | None = None) -> Future[ModelRunnerOutput]:
+        future: Future[ModelRunnerOutput] = Future()
+        try:
+            future.set_result(self.runner.execute_model(scheduler_output, grammar_bitmask))
+        except Exception as exc:  # noqa: BLE001 - the step's failure travels in its future
+            future.set_exception(exc)
+        return future
