@@ -378,6 +378,8 @@ class EngineCore:
 
     def make_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()
+        stats.num_microbatches_in_flight = len(self._microbatches)
+        stats.stage_busy_seconds = self.executor.stage_busy_seconds()
         if self.kv_connector is not None:
             stats.kv_transfer = self.kv_connector.stats()
         return stats

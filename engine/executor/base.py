@@ -9,6 +9,7 @@ in-process executor runs the step at once, so the same loop is the synchronous o
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -35,18 +36,28 @@ class Executor(ABC):
     def shutdown(self) -> None:
         """Stops whatever the executor started (processes, threads)."""
 
+    def stage_busy_seconds(self) -> list[float]:
+        """Seconds each stage has spent computing steps so far (empty: not measured)."""
+        return []
+
 
 class InProcessExecutor(Executor):
     """The model runner of this process: a step runs when it is submitted."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self._busy_seconds = 0.0
 
     def submit(self, scheduler_output: SchedulerOutput,
                grammar_bitmask: GrammarBitmask | None = None) -> Future[ModelRunnerOutput]:
         future: Future[ModelRunnerOutput] = Future()
+        start = time.perf_counter()
         try:
             future.set_result(self.runner.execute_model(scheduler_output, grammar_bitmask))
         except Exception as exc:  # noqa: BLE001 - the step's failure travels in its future
             future.set_exception(exc)
+        self._busy_seconds += time.perf_counter() - start
         return future
+
+    def stage_busy_seconds(self) -> list[float]:
+        return [self._busy_seconds]

@@ -86,6 +86,9 @@ class SimulatedPipeline(Executor):
         else:
             future.set_result(done.result())
 
+    def stage_busy_seconds(self) -> list[float]:
+        return list(self.busy_seconds)
+
     def shutdown(self) -> None:
         for timer in self._timers:
             timer.cancel()

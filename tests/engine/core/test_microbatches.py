@@ -217,3 +217,30 @@ def test_async_scheduling_and_microbatches_are_exclusive() -> None:
         SchedulerConfig(async_scheduling=True, max_concurrent_batches=2)
     with pytest.raises(ValueError, match="max_concurrent_batches must be >= 1"):
         SchedulerConfig(max_concurrent_batches=0)
+
+
+def test_stage_busy_seconds_and_microbatches_reach_the_metrics(checkpoint: Path) -> None:
+    from kvferry.engine.server.metrics import EngineMetrics
+    from prometheus_client import generate_latest
+
+    engine = make_engine(checkpoint, 2)
+    core = engine.engine_core
+    pipeline = SimulatedPipeline(FakeTokens(VOCAB), 2, 0.002)
+    core.executor = pipeline
+    metrics = EngineMetrics("m", BLOCK_SIZE, 96, True)
+    for i in range(4):
+        engine.add_request(f"s{i}", {"prompt_token_ids": [5 + i] * 6},
+                           SamplingParams(max_tokens=4, ignore_eos=True))
+    in_flight = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        stats = core.make_stats()
+        in_flight.append(stats.num_microbatches_in_flight)
+        metrics.record_scheduler(stats)
+    assert max(in_flight) == 1 and in_flight[-1] == 0  # one stays in flight after a step
+    text = generate_latest(metrics.registry).decode()
+    busy = 0.002 * pipeline.num_submitted
+    for stage in (0, 1):
+        sample = f'kvferry:pipeline_stage_busy_seconds_total{{model_name="m",stage="{stage}"}}'
+        assert float(text.split(sample)[1].split()[0]) == pytest.approx(busy)
+    assert 'kvferry:microbatches_in_flight{model_name="m"} 0.0' in text
