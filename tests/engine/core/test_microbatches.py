@@ -21,6 +21,7 @@ from kvferry.engine.executor.base import Executor, InProcessExecutor
 from kvferry.engine.executor.simulated import FakeTokens, SimulatedPipeline
 from kvferry.engine.frontend.llm_engine import LLMEngine
 from kvferry.engine.sampling_params import SamplingParams
+from kvferry_testing.microbatches import Recorder
 
 BLOCK_SIZE = 4
 VOCAB = 256
@@ -41,58 +42,6 @@ def make_engine(model: Path, batches: int, *, num_blocks: int = 96,
                                   max_concurrent_batches=batches),
         device="cpu",
     ))
-
-
-class SampledIds(Executor):
-    """Wraps an executor that computes at submit; remembers who the last step sampled."""
-
-    def __init__(self, inner: Executor) -> None:
-        self.inner = inner
-        self.last: set[str] = set()
-
-    def submit(self, scheduler_output: SchedulerOutput,
-               grammar_bitmask: Any = None) -> Future[ModelRunnerOutput]:
-        future = self.inner.submit(scheduler_output, grammar_bitmask)
-        self.last = set(future.result().req_ids) if future.exception() is None else set()
-        return future
-
-
-class Recorder(Executor):
-    """A simulated pipeline over `inner`; checks at every submit that no request sampling
-    in it samples in a microbatch still in flight, and records each microbatch's requests."""
-
-    def __init__(self, inner: Executor, num_stages: int, stage_seconds: float) -> None:
-        self.sampled = SampledIds(inner)
-        self.pipeline = self.inner = SimulatedPipeline(self.sampled, num_stages, stage_seconds)
-        self.max_concurrent_batches = num_stages
-        self.in_flight: list[tuple[SchedulerOutput, Future[ModelRunnerOutput], set[str]]] = []
-        self.submitted: list[dict[str, int]] = []
-        self.overlapping_chunks = 0
-        self.max_in_flight = 0
-
-    def submit(self, scheduler_output: SchedulerOutput,
-               grammar_bitmask: Any = None) -> Future[ModelRunnerOutput]:
-        self.in_flight = [entry for entry in self.in_flight if not entry[1].done()]
-        future = self.inner.submit(scheduler_output, grammar_bitmask)
-        if not scheduler_output.total_num_scheduled_tokens:
-            return future
-        scheduled = set(scheduler_output.num_scheduled_tokens)
-        for _, other, other_sampled in self.in_flight:
-            other_scheduled = set(_.num_scheduled_tokens)
-            # A request computing in two microbatches at once is only a prompt's chunks,
-            # and the earlier one samples nothing.
-            both = scheduled & other_scheduled
-            assert not both & other_sampled, both & other_sampled
-            self.overlapping_chunks += len(both)
-        sampled = self.sampled.last
-        assert not sampled - scheduled
-        self.in_flight.append((scheduler_output, future, sampled))
-        self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
-        self.submitted.append(dict(scheduler_output.num_scheduled_tokens))
-        return future
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
 
 
 def requests(num: int, seed: int = 0) -> list[tuple[str, list[int], SamplingParams]]:
@@ -142,7 +91,7 @@ def test_microbatches_equal_the_synchronous_loop(checkpoint: Path, num_stages: i
     expected = generate(make_engine(checkpoint, 1, num_blocks=40), reqs)
     engine = make_engine(checkpoint, num_stages, num_blocks=40)
     core = engine.engine_core
-    recorder = Recorder(InProcessExecutor(core.runner), num_stages, 0.004)
+    recorder = Recorder(InProcessExecutor(core.runner), num_stages, 0.004, core=core)
     core.executor = recorder
     got = generate(engine, reqs)
     assert got.keys() == expected.keys()
