@@ -86,8 +86,10 @@ class Recorder(Executor):
             assert len(scheduled) <= self.max_rows, (len(scheduled), self.max_rows)
         for other_output, other_sampled in pending:
             # A request computing in two microbatches at once is only a prompt's chunks,
-            # and the earlier one samples nothing.
-            both = scheduled & set(other_output.num_scheduled_tokens)
+            # and the earlier one samples nothing (an id taken again by a new request
+            # after an abort is another request).
+            both = {r for r in scheduled & set(other_output.num_scheduled_tokens)
+                    if self._same_request(r, other_output, scheduler_output)}
             assert not both & other_sampled, both & other_sampled
             self.overlapping_chunks += len(both)
         sampled = self.sampled.last
@@ -112,6 +114,16 @@ class Recorder(Executor):
                               if any(entry[0] is output for output in outputs)]
         return [(output, sampled) for output, _, sampled in self.in_flight
                 if output is not scheduler_output]
+
+    def _same_request(self, req_id: str, earlier: SchedulerOutput,
+                      later: SchedulerOutput) -> bool:
+        """Whether two steps computing `req_id` compute the same request."""
+        if self.core is None:
+            return True
+        in_flight = self.core.scheduler.in_flight
+        assert in_flight is not None
+        requests = {id(step.output): step.requests for step in in_flight}
+        return requests[id(earlier)][req_id] is requests[id(later)][req_id]
 
     def _check_hits(self, scheduler_output: SchedulerOutput,
                     pending: list[tuple[SchedulerOutput, set[str]]]) -> None:

@@ -1,0 +1,427 @@
+"""The microbatch loop (engine_core._step_microbatches) at its edges, through the real model
+runner in a simulated pipeline of P stages: aborts of requests in flight (and their ids
+taken again at once), stops, stop strings, min_tokens, n > 1, logprobs and prompt
+logprobs, structured outputs, preemption storms, prefix hits across microbatches, a
+microbatch that fails, max_num_seqs per microbatch, and P = 1 through the same loop.
+
+Each test runs the same requests through the synchronous engine on the same random
+checkpoint and compares token for token; the `Recorder` (kvferry_testing.microbatches)
+checks at every submit that decodes are disjoint, rows fit the runner's batch and prefix
+hits were written by updated steps. Every block is back in the pool afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvferry.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvferry.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kvferry.engine.executor.base import Executor
+from kvferry.engine.frontend.llm_engine import LLMEngine
+from kvferry.engine.frontend.outputs import RequestOutput
+from kvferry.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from kvferry_testing.microbatches import Recorder, install_recorder
+
+BLOCK_SIZE = 4
+EOS = 2
+STAGE_SECONDS = 0.001
+
+Request = tuple[str, Any, SamplingParams]
+# Called after each step with the engine, the step's index and its outputs.
+OnStep = Callable[[LLMEngine, int, list[RequestOutput]], None]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(make_checkpoint: Callable[..., Path]) -> Path:
+    return make_checkpoint("LlamaForCausalLM")
+
+
+def make_engine(model: Path, batches: int, *, num_blocks: int = 64, max_model_len: int = 64,
+                max_num_batched_tokens: int = 16, max_num_seqs: int = 8,
+                **model_fields: Any) -> tuple[LLMEngine, Recorder | None]:
+    """An engine with `batches` microbatches in flight through a recorded simulated
+    pipeline (no recorder for the synchronous engine, batches=1)."""
+    engine = LLMEngine(EngineConfig(
+        model=ModelConfig(model=str(model), max_model_len=max_model_len, **model_fields),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens,
+                                  max_concurrent_batches=batches),
+        device="cpu",
+    ))
+    recorder = None
+    if batches > 1:
+        recorder = install_recorder(engine.engine_core, batches, STAGE_SECONDS,
+                                    max_rows=max_num_seqs)
+    return engine, recorder
+
+
+def run(engine: LLMEngine, requests: list[Request], on_step: OnStep | None = None,
+        max_steps: int = 600) -> dict[str, RequestOutput]:
+    """Adds the requests and steps until nothing is left; returns each request's last
+    output (a request id taken again keeps the last one's)."""
+    for req_id, prompt, params in requests:
+        engine.add_request(req_id, prompt, params)
+    last: dict[str, RequestOutput] = {}
+    for index in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        outputs = engine.step()
+        for output in outputs:
+            last[output.request_id] = output
+        if on_step is not None:
+            on_step(engine, index, outputs)
+    else:
+        raise AssertionError(f"requests left after {max_steps} steps")
+    return last
+
+
+def assert_idle(engine: LLMEngine) -> None:
+    """Every block back in the pool, nothing in flight, no runner state left."""
+    assert engine.num_free_blocks == engine.kv_cache_manager.block_pool.num_blocks - 1
+    assert engine.step() == []  # delivers the last finished ids to the runner
+    assert not engine.has_unfinished_requests()
+    assert engine.runner.num_tracked_requests == 0
+    assert not engine.engine_core._microbatches
+    in_flight = engine.scheduler.in_flight
+    assert in_flight is None or len(in_flight) == 0
+
+
+def logprob_values(entries: list | None) -> list:
+    return [] if entries is None else [
+        None if e is None else sorted((t, p.rank, p.logprob) for t, p in e.items())
+        for e in entries]
+
+
+def assert_logprobs_close(got: list, want: list, req_id: str) -> None:
+    """Same tokens and ranks; values equal up to float32 rounding (the batches differ)."""
+    assert len(got) == len(want), req_id
+    for got_pos, want_pos in zip(got, want, strict=True):
+        if want_pos is None:
+            assert got_pos is None, req_id
+            continue
+        assert [(t, r) for t, r, _ in got_pos] == [(t, r) for t, r, _ in want_pos], req_id
+        for (_, _, a), (_, _, b) in zip(got_pos, want_pos, strict=True):
+            assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4), (req_id, a, b)
+
+
+def assert_same_output(got: RequestOutput, want: RequestOutput, req_id: str,
+                       cached_tokens: bool = True) -> None:
+    assert got.finished and want.finished, req_id
+    assert got.error == want.error, req_id
+    if cached_tokens:
+        assert got.num_cached_tokens == want.num_cached_tokens, req_id
+    for want_c, got_c in zip(want.outputs, got.outputs, strict=True):
+        assert got_c.token_ids == want_c.token_ids, (req_id, want_c.index)
+        assert (got_c.text, got_c.finish_reason, got_c.stop_reason) == (
+            want_c.text, want_c.finish_reason, want_c.stop_reason), req_id
+        assert_logprobs_close(logprob_values(got_c.logprobs),
+                              logprob_values(want_c.logprobs), req_id)
+    assert_logprobs_close(logprob_values(got.prompt_logprobs),
+                          logprob_values(want.prompt_logprobs), req_id)
+
+
+def both_ways(model: Path, requests: Callable[[], list[Request]], batches: int,
+              cached_tokens: bool = True, **engine_args: Any
+              ) -> tuple[dict[str, RequestOutput], LLMEngine, Recorder]:
+    """Runs the requests synchronously and with `batches` microbatches in flight; checks
+    that they agree and that both engines end idle. Returns the microbatch engine's
+    outputs, the engine and its recorder."""
+    expected_engine, _ = make_engine(model, 1, **engine_args)
+    expected = run(expected_engine, requests())
+    assert_idle(expected_engine)
+    engine, recorder = make_engine(model, batches, **engine_args)
+    assert recorder is not None
+    outputs = run(engine, requests())
+    assert_idle(engine)
+    assert sorted(outputs) == sorted(expected)
+    for req_id, want in expected.items():
+        assert_same_output(outputs[req_id], want, req_id, cached_tokens)
+    assert recorder.max_in_flight == batches
+    return outputs, engine, recorder
+
+
+def greedy(max_tokens: int, **fields: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **fields)
+
+
+def tokens(start: int, num: int) -> dict[str, list[int]]:
+    return {"prompt_token_ids": [3 + (start + i) % 250 for i in range(num)]}
+
+
+def reference_tokens(model: Path, prompt: dict[str, list[int]], max_tokens: int) -> list[int]:
+    engine, _ = make_engine(model, 1)
+    return run(engine, [("ref", prompt, greedy(max_tokens, ignore_eos=True))])[
+        "ref"].outputs[0].token_ids
+
+
+def in_flight_ids(engine: LLMEngine) -> set[str]:
+    """Requests computing in a microbatch the scheduler has not updated yet."""
+    in_flight = engine.scheduler.in_flight
+    assert in_flight is not None
+    return {req_id for step in in_flight for req_id in step.output.num_scheduled_tokens}
+
+
+# ---------------------------------------------------------------------- aborts
+@pytest.mark.parametrize("batches", [2, 3])
+def test_aborts_in_flight_and_ids_taken_again(checkpoint: Path, batches: int) -> None:
+    """A prompt aborted while its next chunk is in flight, decodes aborted while their
+    token is in flight, each id taken at once by a new request: the aborted ones keep a
+    prefix of what they would have produced, no token of theirs reaches the newcomer,
+    and the newcomers (one sharing the aborted prompt's cached prefix) produce what they
+    would alone."""
+    long_prompt = tokens(0, 45)  # chunks of 16, 16 and 13
+    # The first two blocks of the aborted prompt are cached by then; its third is not.
+    again_prompt = {"prompt_token_ids": long_prompt["prompt_token_ids"][:8] + [7, 8, 9, 10]}
+
+    def requests() -> list[Request]:
+        return [("long", long_prompt, greedy(6, ignore_eos=True)),
+                *[(f"d{i}", tokens(60 + 7 * i, 3 + i), greedy(14, ignore_eos=True))
+                  for i in range(4)]]
+
+    newcomer = ("long", again_prompt, greedy(7, ignore_eos=True))
+    # Decodes aborted take their ids again with these prompts, in turn.
+    taking_ids = [tokens(120 + 20 * i, 5 + i) for i in range(2)]
+    # What each request produces when nothing is aborted.
+    reference_engine, _ = make_engine(checkpoint, 1)
+    reference = run(reference_engine, [
+        *requests(), ("long-again", *newcomer[1:]),
+        *[(f"again{i}", prompt, greedy(9, ignore_eos=True))
+          for i, prompt in enumerate(taking_ids)]])
+
+    engine, recorder = make_engine(checkpoint, batches)
+    aborted: dict[str, RequestOutput] = {}
+    victims: list[str] = []
+
+    def abort_in_flight(engine: LLMEngine, index: int, outputs: list[RequestOutput]) -> None:
+        in_flight = in_flight_ids(engine)
+        requests_now = engine.scheduler.requests
+        if "long" not in aborted and "long" in in_flight:
+            assert not requests_now["long"].output_token_ids  # a chunk is in flight
+            [aborted["long"]] = engine.abort_request("long")
+            engine.add_request(*newcomer)
+        decoding = sorted(r for r in in_flight if r.startswith("d") and r not in aborted
+                          and len(requests_now[r].output_token_ids) >= 2)
+        if decoding and len(victims) < 2:
+            victim = decoding[0]
+            [aborted[victim]] = engine.abort_request(victim)
+            # The same id at once, with another prompt.
+            engine.add_request(victim, taking_ids[len(victims)], greedy(9, ignore_eos=True))
+            victims.append(victim)
+
+    outputs = run(engine, requests(), abort_in_flight)
+    assert_idle(engine)
+    assert recorder is not None and recorder.max_in_flight == batches
+    assert "long" in aborted and len(victims) == 2, sorted(aborted)
+    for req_id, output in aborted.items():
+        completion = output.outputs[0]
+        assert completion.finish_reason == "abort", req_id
+        want = reference[req_id].outputs[0].token_ids
+        assert completion.token_ids == want[:len(completion.token_ids)], req_id
+    assert_same_output(outputs["long"], reference["long-again"], "long", cached_tokens=False)
+    assert outputs["long"].num_cached_tokens == 8  # the aborted prompt's computed blocks
+    for i, victim in enumerate(victims):
+        assert_same_output(outputs[victim], reference[f"again{i}"], victim)
+    for req_id in {f"d{i}" for i in range(4)} - set(victims):
+        assert_same_output(outputs[req_id], reference[req_id], req_id)
+
+
+# ---------------------------------------------------------------------- stops and params
+@pytest.mark.parametrize("batches", [2, 3])
+def test_stops_and_sampling_params_equal_the_synchronous_loop(
+    checkpoint: Path, batches: int
+) -> None:
+    shared = tokens(10, 22)["prompt_token_ids"]  # five full blocks and a half
+    stop_prompt = tokens(40, 5)
+    ref = reference_tokens(checkpoint, stop_prompt, 12)
+
+    def requests() -> list[Request]:
+        return [
+            # Stops at the token it samples fourth (or where that token comes earlier).
+            ("stop-token", stop_prompt, greedy(12, stop_token_ids=[ref[3]], ignore_eos=True)),
+            # The front end finds the stop string and aborts the request in the core.
+            ("stop-string", stop_prompt, greedy(12, stop=[f"w{ref[4]}"], ignore_eos=True)),
+            # EOS is favoured but held back until 3 outputs.
+            ("eos", tokens(80, 2), greedy(10, min_tokens=3, logit_bias={EOS: 30.0})),
+            # Its one token ends it: sampled by the last of three chunks.
+            ("max1", tokens(90, 40), greedy(1, ignore_eos=True)),
+            # n > 1 over a prompt longer than a chunk: the children's prefix comes from
+            # the first one's blocks once its microbatches are updated.
+            ("n3", {"prompt_token_ids": shared}, SamplingParams(
+                n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)),
+            ("n2-greedy", {"prompt_token_ids": shared + [200, 201]},
+             SamplingParams(n=2, temperature=0.0, max_tokens=5, ignore_eos=True)),
+            # Prompt logprobs of a prompt scored in three chunks; sampled logprobs.
+            ("logprobs", tokens(150, 37), greedy(5, logprobs=3, prompt_logprobs=2,
+                                                 ignore_eos=True)),
+            ("seeded", tokens(7, 3), SamplingParams(
+                temperature=0.8, top_k=20, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True,
+                logprobs=1)),
+            ("penalties", tokens(100, 3), greedy(
+                8, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2,
+                ignore_eos=True)),
+        ]
+
+    outputs, _, recorder = both_ways(checkpoint, requests, batches)
+    assert outputs["stop-token"].outputs[0].finish_reason == "stop"
+    assert outputs["stop-string"].outputs[0].stop_reason == f"w{ref[4]}"
+    assert outputs["eos"].outputs[0].token_ids[3:] == [EOS]  # the first allowed position
+    assert len(outputs["max1"].outputs[0].token_ids) == 1
+    assert len({tuple(c.token_ids) for c in outputs["n3"].outputs}) == 3
+    assert outputs["n3"].num_cached_tokens == 0  # the parent's count is its first child's
+    assert len(outputs["logprobs"].prompt_logprobs) == 37
+    assert recorder.overlapping_chunks > 0
+    assert recorder.num_hit_blocks_checked > 0
+
+
+def test_structured_outputs_equal_the_synchronous_loop(demo_checkpoint: Path) -> None:
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["name", "n"], "additionalProperties": False}
+
+    def requests() -> list[Request]:
+        constrained = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=(
+            StructuredOutputsParams(json=schema)))
+        seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=40,
+                                structured_outputs=StructuredOutputsParams(
+                                    regex="(yes|no|maybe) [0-9]{1,3}"))
+        return [("json-a", "Hello there", constrained), ("json-b", "x", constrained),
+                ("json-c", "Hello world, this prompt is long enough to be chunked",
+                 constrained), ("json-d", "y", constrained),
+                ("regex", "Answer:", seeded),
+                ("free", "The river", SamplingParams(temperature=0.0, max_tokens=12))]
+
+    # 17 usable blocks of 4 for six requests of 13 to 50 tokens: they preempt each other,
+    # constrained ones too (their grammars keep their place).
+    outputs, engine, _ = both_ways(demo_checkpoint, requests, 2, num_blocks=18,
+                                   max_num_batched_tokens=8, dtype="float32")
+    assert engine.stats.scheduler.num_preemptions > 0
+    for req_id in ("json-a", "json-b", "json-c", "json-d"):
+        value = json.loads(outputs[req_id].outputs[0].text)
+        assert set(value) == {"name", "n"}
+
+
+# ---------------------------------------------------------------------- preemption
+@pytest.mark.parametrize("batches", [2, 3])
+def test_preemption_storms_equal_the_synchronous_loop(checkpoint: Path, batches: int) -> None:
+    """12 usable blocks for ten requests growing to 20-odd tokens: they preempt each
+    other, also while a microbatch in flight samples the victim's token."""
+    stop_prompt = tokens(20, 8)
+    ref = reference_tokens(checkpoint, stop_prompt, 12)
+
+    def requests() -> list[Request]:
+        out: list[Request] = [
+            (f"r{i}", tokens(20 + 9 * i, 8),
+             greedy(12, ignore_eos=True) if i % 2 else SamplingParams(
+                 temperature=1.0, seed=i, max_tokens=12 - i % 3, ignore_eos=True))
+            for i in range(9)]
+        out.append(("stop", stop_prompt, greedy(12, stop_token_ids=[ref[6]], ignore_eos=True)))
+        return out
+
+    _, engine, recorder = both_ways(checkpoint, requests, batches, cached_tokens=False,
+                                    num_blocks=13, max_model_len=24)
+    assert engine.stats.scheduler.num_preemptions > 0
+    assert recorder.preempted_while_sampling
+
+
+# ---------------------------------------------------------------------- prefix caching
+@pytest.mark.parametrize("batches", [2, 3])
+def test_prefix_hits_across_microbatches(checkpoint: Path, batches: int) -> None:
+    """Requests sharing prefixes of several blocks arrive while the first ones' blocks
+    are being computed in microbatches in flight: hits only on blocks whose microbatch
+    was updated (the Recorder checks each), the same hits and tokens as the synchronous
+    loop."""
+    prefix = tokens(30, 20)["prompt_token_ids"]
+
+    def requests() -> list[Request]:
+        return [(f"p{i}", {"prompt_token_ids": prefix[:12 + 4 * (i % 3)] + [200 + i] * (i + 1)},
+                 greedy(5, ignore_eos=True)) for i in range(7)]
+
+    outputs, _, recorder = both_ways(checkpoint, requests, batches,
+                                     max_num_batched_tokens=12)
+    assert recorder.num_hit_blocks_checked > 0
+    assert sum(o.num_cached_tokens for o in outputs.values()) > 0
+
+
+# ---------------------------------------------------------------------- failures
+class FailOne(Executor):
+    """Runs every step on `inner`, but the future of the first step `doomed` picks raises."""
+
+    def __init__(self, inner: Executor, doomed: Callable[[SchedulerOutput], bool]) -> None:
+        self.inner = inner
+        self.doomed = doomed
+        self.failed: SchedulerOutput | None = None
+
+    def submit(self, scheduler_output: SchedulerOutput,
+               grammar_bitmask: Any = None) -> Future[ModelRunnerOutput]:
+        future = self.inner.submit(scheduler_output, grammar_bitmask)
+        if self.failed is None and self.doomed(scheduler_output):
+            self.failed = scheduler_output
+            failed: Future[ModelRunnerOutput] = Future()
+            failed.set_exception(RuntimeError("stage 2 lost its peer"))
+            return failed
+        return future
+
+
+@pytest.mark.parametrize("batches", [2, 3])
+def test_a_failed_microbatch_in_the_middle(checkpoint: Path, batches: int) -> None:
+    """The fourth microbatch raises while others are in flight: its requests end with
+    "error" (their tokens so far a prefix of what they would produce), the others produce
+    what they would, and every block comes back."""
+
+    def requests() -> list[Request]:
+        return [(f"r{i}", tokens(9 * i, 3 + 5 * i), greedy(10, ignore_eos=True))
+                for i in range(6)]
+
+    expected_engine, _ = make_engine(checkpoint, 1)
+    expected = run(expected_engine, requests())
+    engine, recorder = make_engine(checkpoint, batches)
+    assert recorder is not None
+    counter = iter(range(1000))
+    failing = FailOne(recorder.sampled.inner,
+                      lambda so: so.total_num_scheduled_tokens > 0 and next(counter) == 3)
+    recorder.sampled.inner = failing
+    outputs = run(engine, requests())
+    assert_idle(engine)
+    assert failing.failed is not None
+    failed_ids = set(failing.failed.num_scheduled_tokens)
+    assert failed_ids and failed_ids != set(outputs)
+    for req_id, want in expected.items():
+        got = outputs[req_id]
+        if req_id in failed_ids:
+            completion = got.outputs[0]
+            assert completion.finish_reason == "error", req_id
+            want_tokens = want.outputs[0].token_ids
+            assert completion.token_ids == want_tokens[:len(completion.token_ids)], req_id
+        else:
+            assert_same_output(got, want, req_id)
+
+
+# ---------------------------------------------------------------------- max_num_seqs
+def test_max_num_seqs_bounds_each_microbatch(checkpoint: Path) -> None:
+    """P = 2 and max_num_seqs = 4: eight requests decode at once, four in each
+    microbatch, none ever with more rows than the runner's batch holds."""
+
+    def requests() -> list[Request]:
+        return [(f"s{i}", tokens(11 * i, 4 + i % 3), greedy(12, ignore_eos=True))
+                for i in range(8)]
+
+    engine, recorder = make_engine(checkpoint, 2, max_num_seqs=4, max_num_batched_tokens=32)
+    assert recorder is not None
+    num_running: list[int] = []
+    outputs = run(engine, requests(),
+                  lambda e, i, o: num_running.append(len(e.scheduler.running)))
+    assert_idle(engine)
+    assert max(num_running) == 8
+    assert max(map(len, recorder.submitted)) == 4
+    expected_engine, _ = make_engine(checkpoint, 1, max_num_seqs=4, max_num_batched_tokens=32)
+    expected = run(expected_engine, requests())
+    for req_id, want in expected.items():
+        assert_same_output(outputs[req_id], want, req_id)
