@@ -209,11 +209,13 @@ class Scheduler:
         dropping the requests leaves the cache and the other requests consistent.
         """
         encoded = [work.req_id for work in scheduler_output.scheduled_encoder_inputs]
+        req_ids = [*scheduler_output.num_scheduled_tokens, *encoded]
         if self.in_flight is not None:
-            self.in_flight.pop(scheduler_output)
-        return self.finish_requests(
-            [*scheduler_output.num_scheduled_tokens, *encoded], RequestStatus.FINISHED_ERROR
-        )
+            # Steps scheduled behind this one ran meanwhile: a request of this step may have
+            # been aborted and its id taken by a new request, which this failure spares.
+            step_requests = self.in_flight.pop(scheduler_output).requests
+            req_ids = [r for r in req_ids if self.requests.get(r) is step_requests.get(r)]
+        return self.finish_requests(req_ids, RequestStatus.FINISHED_ERROR)
 
     def has_request(self, req_id: str) -> bool:
         """Whether the id is taken: by an unfinished request, or one whose blocks are kept."""

@@ -404,6 +404,45 @@ def test_a_failed_microbatch_in_the_middle(checkpoint: Path, batches: int) -> No
             assert_same_output(got, want, req_id)
 
 
+def test_a_failed_microbatch_spares_a_new_request_with_an_aborted_ones_id(
+    checkpoint: Path,
+) -> None:
+    """A decode is aborted while the microbatch sampling it is in flight and its id is
+    taken at once by a new request; that microbatch then fails. The failure ends what was
+    in it, not the newcomer (nor does the newcomer see an output of the aborted one)."""
+    engine, recorder = make_engine(checkpoint, 2)
+    assert recorder is not None
+
+    def decode_of_victim(so: SchedulerOutput) -> bool:
+        request = engine.scheduler.requests.get("victim")
+        return (request is not None and "victim" in so.num_scheduled_tokens
+                and len(request.output_token_ids) >= 2)
+
+    failing = FailOne(recorder.sampled.inner, decode_of_victim)
+    recorder.sampled.inner = failing
+    newcomer = (tokens(70, 6), greedy(8, ignore_eos=True))
+    expected = reference_tokens(checkpoint, newcomer[0], 8)
+    aborted: list[RequestOutput] = []
+
+    def abort_and_take_the_id(engine: LLMEngine, index: int,
+                              outputs: list[RequestOutput]) -> None:
+        if not aborted and failing.failed is not None and "victim" in in_flight_ids(engine):
+            aborted.extend(engine.abort_request("victim"))
+            engine.add_request("victim", *newcomer)
+
+    # Twelve tokens each in a budget of 16: the victim's prompt and the other's first
+    # chunk, then the other's second chunk; their decodes alternate from then on.
+    outputs = run(engine, [("victim", tokens(50, 12), greedy(12, ignore_eos=True)),
+                           ("other", tokens(90, 12), greedy(12, ignore_eos=True))],
+                  abort_and_take_the_id)
+    assert_idle(engine)
+    assert aborted and aborted[0].outputs[0].finish_reason == "abort"
+    got = outputs["victim"]
+    assert got.outputs[0].finish_reason == "length", got.outputs[0]
+    assert got.outputs[0].token_ids == expected
+    assert len(outputs["other"].outputs[0].token_ids) == 12
+
+
 # ---------------------------------------------------------------------- max_num_seqs
 def test_max_num_seqs_bounds_each_microbatch(checkpoint: Path) -> None:
     """P = 2 and max_num_seqs = 4: eight requests decode at once, four in each
