@@ -464,3 +464,52 @@ def test_max_num_seqs_bounds_each_microbatch(checkpoint: Path) -> None:
     expected = run(expected_engine, requests())
     for req_id, want in expected.items():
         assert_same_output(outputs[req_id], want, req_id)
+
+
+@pytest.mark.parametrize("batches", [3])
+def test_a_runner_that_raises_mid_step(checkpoint: Path, batches: int,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model itself raises in the fourth microbatch, after the runner took in that
+    step's changes, while the steps behind it run on: the failed step's requests end
+    with "error", the others produce what they would."""
+
+    def requests() -> list[Request]:
+        return [(f"r{i}", tokens(9 * i, 3 + 5 * i), greedy(10, ignore_eos=True))
+                for i in range(6)]
+
+    expected_engine, _ = make_engine(checkpoint, 1)
+    expected = run(expected_engine, requests())
+    engine, recorder = make_engine(checkpoint, batches)
+    assert recorder is not None
+    model = engine.runner.model
+    forward = model.forward
+    calls = iter(range(1000))
+    failed: list[set[str]] = []
+    submit = recorder.sampled.submit
+
+    def recording_submit(scheduler_output: SchedulerOutput, bitmask: Any = None):
+        future = submit(scheduler_output, bitmask)
+        if future.exception() is not None:
+            failed.append(set(scheduler_output.num_scheduled_tokens))
+        return future
+
+    def failing_forward(*args: Any, **kwargs: Any) -> Any:
+        if next(calls) == 3:
+            raise RuntimeError("a NaN check tripped")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", failing_forward)
+    monkeypatch.setattr(recorder.sampled, "submit", recording_submit)
+    outputs = run(engine, requests())
+    assert_idle(engine)
+    [failed_ids] = failed
+    assert failed_ids and failed_ids != set(outputs)
+    for req_id, want in expected.items():
+        got = outputs[req_id]
+        if req_id in failed_ids:
+            completion = got.outputs[0]
+            assert completion.finish_reason == "error", req_id
+            want_tokens = want.outputs[0].token_ids
+            assert completion.token_ids == want_tokens[:len(completion.token_ids)], req_id
+        else:
+            assert_same_output(got, want, req_id)
