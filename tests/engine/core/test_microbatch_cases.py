@@ -466,6 +466,53 @@ def test_max_num_seqs_bounds_each_microbatch(checkpoint: Path) -> None:
         assert_same_output(outputs[req_id], want, req_id)
 
 
+class RaisesAtSubmit(Executor):
+    """An executor whose `submit` itself raises (a transport that fails to send) for the
+    first step with tokens that also tells of requests finished since the last one; the
+    others run on `inner`."""
+
+    def __init__(self, inner: Executor, num_stages: int) -> None:
+        self.inner = inner
+        self.max_concurrent_batches = num_stages
+        self.failed: SchedulerOutput | None = None
+
+    def submit(self, scheduler_output: SchedulerOutput,
+               grammar_bitmask: Any = None) -> Future[ModelRunnerOutput]:
+        if (self.failed is None and scheduler_output.total_num_scheduled_tokens
+                and scheduler_output.finished_req_ids):
+            self.failed = scheduler_output
+            raise ConnectionError("stage 1 is unreachable")
+        return self.inner.submit(scheduler_output, grammar_bitmask)
+
+
+def test_a_submit_that_raises_fails_its_microbatch_only(checkpoint: Path) -> None:
+    """An executor's submit raises (instead of failing the future) with a microbatch in
+    flight: the step still returns, the requests of the unsent microbatch end with
+    "error", the others produce what they would, and the runner still hears of the
+    requests that finished before (the unsent step was to tell it)."""
+
+    def requests() -> list[Request]:
+        return [(f"r{i}", tokens(9 * i, 3 + 5 * i), greedy(4 + 3 * i, ignore_eos=True))
+                for i in range(5)]
+
+    expected_engine, _ = make_engine(checkpoint, 1)
+    expected = run(expected_engine, requests())
+    engine, recorder = make_engine(checkpoint, 2)
+    assert recorder is not None
+    raising = RaisesAtSubmit(recorder, 2)
+    engine.engine_core.executor = raising
+    outputs = run(engine, requests())
+    assert_idle(engine)
+    assert raising.failed is not None
+    failed_ids = set(raising.failed.num_scheduled_tokens)
+    assert failed_ids and failed_ids != set(outputs)
+    for req_id, want in expected.items():
+        if req_id in failed_ids:
+            assert outputs[req_id].outputs[0].finish_reason == "error", req_id
+        else:
+            assert_same_output(outputs[req_id], want, req_id)
+
+
 @pytest.mark.parametrize("batches", [3])
 def test_a_runner_that_raises_mid_step(checkpoint: Path, batches: int,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
