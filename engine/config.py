@@ -112,10 +112,11 @@ class SchedulerConfig:
     # computes. Worth it where the device would otherwise wait for the host (a GPU); on
     # CPU the model is the host, so it only adds work (off by default).
     async_scheduling: bool = False
-    # Microbatches in flight at once (a pipeline of P stages keeps P: core/microbatches.py).
-    # Each has its own token budget and `max_num_seqs`; a decoding request is in at most
-    # one, a prompt's chunks may follow each other through the stages. 1: one step at a
-    # time.
+    # Microbatches in flight at once (a pipeline of P stages keeps P: the microbatch loop
+    # of core/engine_core.py). Each has its own token budget and `max_num_seqs`; a
+    # decoding request is in at most one, a prompt's chunks may follow each other through
+    # the stages. 1: one step at a time. The loop keeps no more in flight than the
+    # executor takes (its `max_concurrent_batches`: 1 for the in-process runner).
     max_concurrent_batches: int = 1
     # Filled in by the engine from ModelConfig once the checkpoint is known.
     max_model_len: int = 0

@@ -313,7 +313,10 @@ class EngineCore:
         outputs = self._collect_transfers()
         outputs += self._admit_compiled_grammars()
         queue_times: dict[str, float] = {}
-        limit = self.config.scheduler.max_concurrent_batches
+        # An executor that computes at submit gains nothing from more than one in flight
+        # (each decode would only wait longer for its token).
+        limit = min(self.config.scheduler.max_concurrent_batches,
+                    self.executor.max_concurrent_batches)
         while len(self._microbatches) < limit:
             scheduler_output = self.scheduler.schedule()
             if self.kv_connector is not None:

@@ -3,7 +3,7 @@
 The engine core schedules a step (a microbatch) and hands it to an executor with `submit`,
 which returns at once with a future of the step's `ModelRunnerOutput`. An executor of a
 pipeline of P stages keeps up to P microbatches in flight (`max_concurrent_batches`): the
-core submits microbatch k + 1 while stage s still works on k (core/microbatches.py). The
+core submits microbatch k + 1 while stage s still works on k (core/engine_core.py). The
 in-process executor runs the step at once, so the same loop is the synchronous one.
 """
 

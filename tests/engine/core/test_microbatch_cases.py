@@ -560,3 +560,64 @@ def test_a_runner_that_raises_mid_step(checkpoint: Path, batches: int,
             assert completion.token_ids == want_tokens[:len(completion.token_ids)], req_id
         else:
             assert_same_output(got, want, req_id)
+
+
+# ---------------------------------------------------------------------- P = 1
+def test_one_microbatch_in_flight_equals_the_synchronous_loop(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """max_concurrent_batches = 2 over the in-process executor, which takes one step at a
+    time: the microbatch loop with P = 1 (its scheduler bookkeeping, its update path)
+    gives what the synchronous step gives, and leaves nothing in flight between steps."""
+    stop_prompt = tokens(40, 5)
+    ref = reference_tokens(checkpoint, stop_prompt, 12)
+
+    def requests() -> list[Request]:
+        return [
+            ("chunked", tokens(50, 35), greedy(8, ignore_eos=True)),
+            ("prefix-a", tokens(10, 17), greedy(6, ignore_eos=True)),
+            ("prefix-b", {"prompt_token_ids": tokens(10, 16)["prompt_token_ids"] + [91, 92]},
+             greedy(6, ignore_eos=True)),
+            ("n2", tokens(11, 2), SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=7,
+                                                 ignore_eos=True)),
+            ("stop-token", stop_prompt, greedy(12, stop_token_ids=[ref[3]], ignore_eos=True)),
+            ("stop-string", stop_prompt, greedy(12, stop=[f"w{ref[4]}"], ignore_eos=True)),
+            ("logprobs", tokens(70, 4), greedy(5, logprobs=3, prompt_logprobs=2,
+                                               ignore_eos=True)),
+            ("eos", tokens(80, 2), greedy(10, min_tokens=3, logit_bias={EOS: 30.0})),
+        ]
+
+    expected_engine, _ = make_engine(checkpoint, 1, num_blocks=24)
+    num_steps: list[int] = []
+    expected = run(expected_engine, requests(), lambda e, i, o: num_steps.append(i))
+    engine = LLMEngine(EngineConfig(
+        model=ModelConfig(model=str(checkpoint), max_model_len=64),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=24),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16,
+                                  max_concurrent_batches=2),
+        device="cpu",
+    ))
+    core = engine.engine_core
+    assert core.executor.max_concurrent_batches == 1
+    loop = core._step_microbatches
+    num_loops = []
+
+    def counted() -> Any:
+        num_loops.append(1)
+        return loop()
+
+    monkeypatch.setattr(core, "_step_microbatches", counted)
+    outputs = run(engine, requests(),
+                  lambda e, i, o: assert_nothing_in_flight(e))
+    # The same schedule: as many steps as the synchronous loop took.
+    assert len(num_loops) == len(num_steps)
+    assert_idle(engine)
+    assert expected_engine.stats.scheduler.num_preemptions > 0
+    assert sorted(outputs) == sorted(expected)
+    for req_id, want in expected.items():
+        assert_same_output(outputs[req_id], want, req_id)
+
+
+def assert_nothing_in_flight(engine: LLMEngine) -> None:
+    assert not engine.engine_core._microbatches
+    assert engine.scheduler.in_flight is not None and not len(engine.scheduler.in_flight)
