@@ -227,9 +227,15 @@ class EngineCore:
 
     def _release_finished_embeds(self) -> None:
         """The runner hears of finished requests with the next step, which may be long in
-        coming on an idle engine: their prompt embeddings are let go now."""
-        if self.scheduler.finished_req_ids:
-            self.runner.release_prompt_embeds(self.scheduler.finished_req_ids)
+        coming on an idle engine: their prompt embeddings are let go now. Not those of a
+        request in a microbatch in flight, which its executor may not have computed yet:
+        they go with the runner's state of the request at the next step."""
+        finished = self.scheduler.finished_req_ids
+        if finished and self._microbatches:
+            finished = finished.difference(
+                *(output.num_scheduled_tokens for output, _ in self._microbatches))
+        if finished:
+            self.runner.release_prompt_embeds(finished)
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or self._in_flight is not None

@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 from kvferry.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvferry.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from kvferry.engine.executor.base import Executor
+from kvferry.engine.executor.base import Executor, InProcessExecutor
 from kvferry.engine.frontend.llm_engine import LLMEngine
 from kvferry.engine.frontend.outputs import RequestOutput
 from kvferry.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from kvferry_testing.microbatches import Recorder, install_recorder
+from kvferry_testing.microbatches import LatePipeline, Recorder, install_recorder
 
 BLOCK_SIZE = 4
 EOS = 2
@@ -621,3 +621,39 @@ def test_one_microbatch_in_flight_equals_the_synchronous_loop(
 def assert_nothing_in_flight(engine: LLMEngine) -> None:
     assert not engine.engine_core._microbatches
     assert engine.scheduler.in_flight is not None and not len(engine.scheduler.in_flight)
+
+
+# ---------------------------------------------------------------------- computed late
+def late_engine(model: Path, batches: int, **engine_args: Any) -> LLMEngine:
+    """An engine whose microbatches are computed after their submit (LatePipeline)."""
+    engine, _ = make_engine(model, batches, **engine_args)
+    core = engine.engine_core
+    core.executor = LatePipeline(InProcessExecutor(core.runner), batches, STAGE_SECONDS)
+    return engine
+
+
+def test_prompt_embeds_of_a_request_aborted_in_flight(checkpoint: Path) -> None:
+    """A prompt of embeddings is aborted while a microbatch computing its chunk (with
+    another request's decode) is in flight and not computed yet: that microbatch still
+    finds the embeddings it reads, and the other request goes on."""
+    from kvferry_testing.embeds import embedding_table
+
+    table = embedding_table(checkpoint)
+    other = ("other", tokens(60, 5), greedy(8, ignore_eos=True))
+    expected = reference_tokens(checkpoint, other[1], 8)
+    engine = late_engine(checkpoint, 2, enable_prompt_embeds=True)
+    aborted: list[RequestOutput] = []
+
+    def abort_with_other_in_flight(engine: LLMEngine, index: int,
+                                   outputs: list[RequestOutput]) -> None:
+        if not aborted and {"embeds", "other"} <= in_flight_ids(engine):
+            aborted.extend(engine.abort_request("embeds"))
+
+    # Budget 16: the other's prompt and the first chunk of the embeddings, then their
+    # second chunk, then their third chunk with the other's first decode.
+    outputs = run(engine, [other, ("embeds", {"prompt_embeds": table[list(range(10, 50))]},
+                                   greedy(4, ignore_eos=True))], abort_with_other_in_flight)
+    assert_idle(engine)
+    assert aborted and aborted[0].outputs[0].finish_reason == "abort"
+    assert outputs["other"].outputs[0].finish_reason == "length", outputs["other"].outputs[0]
+    assert outputs["other"].outputs[0].token_ids == expected

@@ -10,11 +10,14 @@ computes at submit; it asserts at every submit what must hold whatever the sched
 - no microbatch carries more than `max_rows` requests (the runner's batch size);
 - with the real model runner: a new request's prefix-cache hits are blocks whose last
   writer has been updated already (scheduler.py's block-hash invariant).
+
+`LatePipeline` computes each step later than its submit, as a real pipeline's stages do.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from kvferry.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -150,3 +153,29 @@ def install_recorder(core: EngineCore, num_stages: int, stage_seconds: float = 0
                         max_rows=max_rows)
     core.executor = recorder
     return recorder
+
+
+class LatePipeline(Executor):
+    """A pipeline of `num_stages` whose steps are computed when their stages would compute
+    them, not at submit: on one worker thread, in submit order, each after a wait of
+    `stage_seconds` per stage. What a step reads from the engine's state (its grammar
+    bitmask, a prompt's embeddings) must then still hold while later microbatches are
+    scheduled, as with the stages of a real pipeline."""
+
+    def __init__(self, inner: Executor, num_stages: int, stage_seconds: float) -> None:
+        self.inner = inner
+        self.max_concurrent_batches = num_stages
+        self.delay = num_stages * stage_seconds
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="late-pipeline")
+
+    def submit(self, scheduler_output: SchedulerOutput,
+               grammar_bitmask: Any = None) -> Future[ModelRunnerOutput]:
+        def compute() -> ModelRunnerOutput:
+            time.sleep(self.delay)
+            return self.inner.submit(scheduler_output, grammar_bitmask).result()
+
+        return self._worker.submit(compute)
+
+    def shutdown(self) -> None:
+        self._worker.shutdown(wait=True)
+        self.inner.shutdown()
