@@ -111,7 +111,8 @@ class EngineCore:
         tokenizer_dir = (resolve_model_source(model_cfg.tokenizer) if model_cfg.tokenizer
                          else self.model_dir)
         self.structured_output = StructuredOutputManager(
-            tokenizer_dir, self.arch.vocab_size, sched_cfg.max_num_seqs, self.device)
+            tokenizer_dir, self.arch.vocab_size, sched_cfg.max_num_seqs, self.device,
+            num_buffers=sched_cfg.max_concurrent_batches)
         self.scheduler = Scheduler(
             sched_cfg, self.kv_cache_manager,
             None if self.kv_connector is None else self.kv_connector.scheduler,

@@ -12,7 +12,8 @@ A constrained request's life in the core:
 3. each step that samples it, `start_bitmask` (called right after scheduling) fills its row
    of the step's bitmask on a worker thread while the forward pass runs; the runner waits
    for it just before sampling, and the sampler sets the logits of disallowed tokens to
-   -inf (engine/sample/bitmask.py);
+   -inf (engine/sample/bitmask.py). With microbatches in flight each has a buffer of its
+   own: a pipeline's last stage samples microbatch k after k + 1's bitmask was filled;
 4. `accept_token` advances the matcher by the sampled token; when the grammar is complete
    (nothing more may follow) the request ends with finish_reason "stop".
 
@@ -95,11 +96,16 @@ class StructuredOutputManager:
     """Grammars of the core's constrained requests and the bitmask of each step."""
 
     def __init__(self, tokenizer_dir: Path, vocab_size: int, max_num_reqs: int,
-                 device: torch.device) -> None:
+                 device: torch.device, num_buffers: int = 1) -> None:
+        """`num_buffers`: steps that may hold a bitmask at once (the microbatches in
+        flight); each fill takes the next buffer in turn."""
+        if num_buffers < 1:
+            raise ValueError(f"num_buffers must be >= 1, got {num_buffers}")
         self.tokenizer_dir = Path(tokenizer_dir)
         self.vocab_size = vocab_size
         self.max_num_reqs = max_num_reqs
         self.device = device
+        self.num_buffers = num_buffers
         # Unfinished requests that hold a grammar (compiling or started), by id.
         self.requests: dict[str, Request] = {}
         # Steps that built a bitmask, and the rows they filled (cumulative).
@@ -111,7 +117,9 @@ class StructuredOutputManager:
         self._compilers: dict[tuple[int, ...], GrammarCompiler] = {}
         self._compiler_lock = threading.Lock()
         self._executor: llguidance.LLExecutor | None = None
-        self._bitmask: torch.Tensor | None = None
+        # (max_num_reqs, words) int32 buffers, made with the first bitmask; the next to fill.
+        self._bitmasks: list[torch.Tensor] = []
+        self._next_buffer = 0
 
     @property
     def num_requests(self) -> int:
@@ -178,16 +186,21 @@ class StructuredOutputManager:
                 vocab = max(c.mask_vocab_size for c in self._compilers.values())
             words = num_bitmask_words(vocab)
             # Pinned on a GPU machine: the runner's copy to the device does not wait for it.
-            self._bitmask = torch.zeros((self.max_num_reqs, words), dtype=torch.int32,
-                                        pin_memory=self.device.type == "cuda")
+            self._bitmasks = [torch.zeros((self.max_num_reqs, words), dtype=torch.int32,
+                                          pin_memory=self.device.type == "cuda")
+                              for _ in range(self.num_buffers)]
+        # A buffer is filled again `num_buffers` fills later: by then the step that read
+        # it has been updated (no more than that many steps are in flight).
+        buffer = self._bitmasks[self._next_buffer]
+        self._next_buffer = (self._next_buffer + 1) % self.num_buffers
         matchers = [self.requests[r].grammar.matcher for r in req_ids]  # type: ignore[union-attr]
         self.num_bitmasks += 1
         self.num_bitmask_rows += len(matchers)
-        return GrammarBitmask(list(req_ids), self._fill_pool.submit(self._fill, matchers))
+        return GrammarBitmask(list(req_ids), self._fill_pool.submit(self._fill, matchers, buffer))
 
-    def _fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
-        assert self._bitmask is not None and self._executor is not None
-        return fill_bitmask(self._executor, matchers, self._bitmask)
+    def _fill(self, matchers: list[llguidance.LLMatcher], buffer: torch.Tensor) -> torch.Tensor:
+        assert self._executor is not None
+        return fill_bitmask(self._executor, matchers, buffer)
 
     def accept_token(self, request: Request, token_id: int) -> str | None:
         """Advances the request's matcher by its sampled token.

@@ -632,6 +632,28 @@ def late_engine(model: Path, batches: int, **engine_args: Any) -> LLMEngine:
     return engine
 
 
+def test_grammars_in_flight_keep_their_own_bitmask(demo_checkpoint: Path) -> None:
+    """Two microbatches of constrained requests in flight, computed after both were
+    scheduled: each samples under its own grammar bitmask (the second's fill must not
+    overwrite the first's), so the outputs are the synchronous loop's."""
+
+    def requests() -> list[Request]:
+        regex = StructuredOutputsParams(regex="(yes|no|maybe) [0-9]{1,3}")
+        return [(f"g{i}", prompt, SamplingParams(temperature=0.0, max_tokens=12,
+                                                 structured_outputs=regex))
+                for i, prompt in enumerate(["Answer:", "x", "Hello there", "y"])]
+
+    # Two rows a microbatch: the four requests take two microbatches, which alternate.
+    expected_engine, _ = make_engine(demo_checkpoint, 1, max_num_seqs=2, dtype="float32")
+    expected = run(expected_engine, requests())
+    engine = late_engine(demo_checkpoint, 2, max_num_seqs=2, dtype="float32")
+    outputs = run(engine, requests())
+    assert_idle(engine)
+    for req_id, want in expected.items():
+        assert want.outputs[0].finish_reason == "stop", want
+        assert_same_output(outputs[req_id], want, req_id)
+
+
 def test_prompt_embeds_of_a_request_aborted_in_flight(checkpoint: Path) -> None:
     """A prompt of embeddings is aborted while a microbatch computing its chunk (with
     another request's decode) is in flight and not computed yet: that microbatch still
