@@ -124,6 +124,9 @@ class EngineCore:
         # to it and not yet updated, oldest first.
         self.executor: Executor = InProcessExecutor(self.runner)
         self._microbatches: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        # Requests of failed microbatches whose runner state is put right once the
+        # microbatches in flight behind them are updated (None: nothing failed).
+        self._failed_req_ids: list[str] | None = None
         self.info = EngineCoreInfo(
             model_dir=str(self.model_dir),
             architecture=self.arch.architecture,
@@ -316,7 +319,11 @@ class EngineCore:
         schedules and submits microbatches while there is room and something to compute,
         then waits for the oldest and applies its tokens. A request whose token is in
         flight is in no other microbatch (core/scheduler.py); with an in-process executor
-        each submit runs at once and this is the synchronous loop."""
+        each submit runs at once and this is the synchronous loop.
+
+        After a microbatch failed, the loop submits nothing until those in flight behind it
+        are updated: their stages computed them on the runner the failed one left (they
+        may still name its requests), then the runner is put right (`_fail_step`)."""
         outputs = self._collect_transfers()
         outputs += self._admit_compiled_grammars()
         queue_times: dict[str, float] = {}
@@ -324,7 +331,7 @@ class EngineCore:
         # (each decode would only wait longer for its token).
         limit = min(self.config.scheduler.max_concurrent_batches,
                     self.executor.max_concurrent_batches)
-        while len(self._microbatches) < limit:
+        while len(self._microbatches) < limit and self._failed_req_ids is None:
             scheduler_output = self.scheduler.schedule()
             if self.kv_connector is not None:
                 self.kv_connector.start_transfers()
@@ -339,6 +346,9 @@ class EngineCore:
             self._microbatches.append((scheduler_output, future))
         if self._microbatches:
             outputs += self._finish_microbatch(*self._microbatches.popleft())
+        if self._failed_req_ids is not None and not self._microbatches:
+            self.runner.recover_from_failed_step(self._failed_req_ids)
+            self._failed_req_ids = None
         self._release_finished_embeds()
         return EngineCoreOutputs(outputs, self.make_stats(), queue_times)
 
@@ -359,7 +369,7 @@ class EngineCore:
         try:
             runner_output = future.result()
         except Exception as exc:  # noqa: BLE001 - one bad microbatch must not take every request down
-            return self._fail_step(scheduler_output, exc)
+            return self._fail_step(scheduler_output, exc, recover_runner=False)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _start_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
@@ -429,15 +439,21 @@ class EngineCore:
             for r in new_reqs if not r.is_resumed
         }
 
-    def _fail_step(self, scheduler_output: SchedulerOutput,
-                   exc: BaseException) -> list[EngineCoreOutput]:
+    def _fail_step(self, scheduler_output: SchedulerOutput, exc: BaseException,
+                   recover_runner: bool = True) -> list[EngineCoreOutput]:
+        """Ends the requests of a step that raised. The runner drops its rows and the
+        failed requests' state now, or (`recover_runner` False: a microbatch, with others
+        in flight behind it) once those are updated."""
         failed = self.scheduler.fail_step(scheduler_output)
         failed_ids = [r.request_id for r in failed]
         logger.error(
             "a step of %d requests failed; they end with finish_reason 'error', the engine "
             "goes on: %s", len(failed_ids), failed_ids, exc_info=exc,
         )
-        self.runner.recover_from_failed_step(failed_ids)
+        if recover_runner:
+            self.runner.recover_from_failed_step(failed_ids)
+        else:
+            self._failed_req_ids = [*(self._failed_req_ids or ()), *failed_ids]
         return [EngineCoreOutput(r, [], finish_reason=FinishReason.ERROR) for r in failed_ids]
 
 

@@ -513,12 +513,13 @@ def test_a_submit_that_raises_fails_its_microbatch_only(checkpoint: Path) -> Non
             assert_same_output(outputs[req_id], want, req_id)
 
 
-@pytest.mark.parametrize("batches", [3])
-def test_a_runner_that_raises_mid_step(checkpoint: Path, batches: int,
+@pytest.mark.parametrize("late", [False, True], ids=["computed-at-submit", "computed-late"])
+def test_a_runner_that_raises_mid_step(checkpoint: Path, late: bool,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The model itself raises in the fourth microbatch, after the runner took in that
-    step's changes, while the steps behind it run on: the failed step's requests end
-    with "error", the others produce what they would."""
+    """The model itself raises in the fourth of three microbatches in flight, after the
+    runner took in that step's changes; the steps behind it were computed (or, computed
+    late, are computed) on the runner it left, and may continue its prompts. Only the
+    failed step's requests end with "error"; the others produce what they would."""
 
     def requests() -> list[Request]:
         return [(f"r{i}", tokens(9 * i, 3 + 5 * i), greedy(10, ignore_eos=True))
@@ -526,27 +527,26 @@ def test_a_runner_that_raises_mid_step(checkpoint: Path, batches: int,
 
     expected_engine, _ = make_engine(checkpoint, 1)
     expected = run(expected_engine, requests())
-    engine, recorder = make_engine(checkpoint, batches)
-    assert recorder is not None
-    model = engine.runner.model
-    forward = model.forward
+    engine = late_engine(checkpoint, 3) if late else make_engine(checkpoint, 3)[0]
+    runner = engine.runner
+    forward, execute_model = runner.model.forward, runner.execute_model
     calls = iter(range(1000))
     failed: list[set[str]] = []
-    submit = recorder.sampled.submit
-
-    def recording_submit(scheduler_output: SchedulerOutput, bitmask: Any = None):
-        future = submit(scheduler_output, bitmask)
-        if future.exception() is not None:
-            failed.append(set(scheduler_output.num_scheduled_tokens))
-        return future
 
     def failing_forward(*args: Any, **kwargs: Any) -> Any:
         if next(calls) == 3:
             raise RuntimeError("a NaN check tripped")
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(model, "forward", failing_forward)
-    monkeypatch.setattr(recorder.sampled, "submit", recording_submit)
+    def recording_execute_model(scheduler_output: SchedulerOutput, *args: Any) -> Any:
+        try:
+            return execute_model(scheduler_output, *args)
+        except RuntimeError:
+            failed.append(set(scheduler_output.num_scheduled_tokens))
+            raise
+
+    monkeypatch.setattr(runner.model, "forward", failing_forward)
+    monkeypatch.setattr(runner, "execute_model", recording_execute_model)
     outputs = run(engine, requests())
     assert_idle(engine)
     [failed_ids] = failed
