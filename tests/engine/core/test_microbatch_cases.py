@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from kvferry.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvferry.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvferry.engine.executor.base import Executor, InProcessExecutor
@@ -40,6 +41,17 @@ OnStep = Callable[[LLMEngine, int, list[RequestOutput]], None]
 @pytest.fixture(scope="module")
 def checkpoint(make_checkpoint: Callable[..., Path]) -> Path:
     return make_checkpoint("LlamaForCausalLM")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """The models here are tiny: a second intra-op thread only adds a barrier to every
+    small matmul, which on a busy machine of two cores makes a step up to a hundred times
+    slower. Both engines of a comparison run alike; the loop is what is under test."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def make_engine(model: Path, batches: int, *, num_blocks: int = 64, max_model_len: int = 64,
