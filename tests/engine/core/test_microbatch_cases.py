@@ -19,9 +19,11 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from kvferry.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvferry.engine.core.request import RequestStatus
 from kvferry.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvferry.engine.executor.base import Executor, InProcessExecutor
 from kvferry.engine.frontend.llm_engine import LLMEngine
@@ -343,6 +345,47 @@ def test_preemption_storms_equal_the_synchronous_loop(checkpoint: Path, batches:
     assert recorder.preempted_while_sampling
 
 
+@pytest.mark.parametrize("ending", ["max_tokens", "stop_token"])
+def test_a_request_ends_by_the_token_in_flight_when_it_was_preempted(
+    checkpoint: Path, ending: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four usable blocks, two requests of five tokens: "a" needs a block while the
+    microbatch sampling "b"'s last token (its fourth: max_tokens, or a stop token) is in
+    flight, and preempts it; that token still ends "b", from the waiting queue, and every
+    block comes back."""
+    b_prompt = tokens(50, 5)
+    ref = reference_tokens(checkpoint, b_prompt, 6)
+    b_params = (greedy(4, ignore_eos=True) if ending == "max_tokens"
+                else greedy(6, stop_token_ids=[ref[3]], ignore_eos=True))
+
+    def requests() -> list[Request]:
+        return [("a", tokens(10, 5), greedy(6, ignore_eos=True)), ("b", b_prompt, b_params)]
+
+    engine, _ = make_engine(checkpoint, 2, num_blocks=5, max_model_len=16,
+                            max_num_batched_tokens=8)
+    scheduler = engine.scheduler
+    end_taking_tokens = scheduler._end_taking_tokens
+    ended_preempted: list[tuple[str, RequestStatus]] = []
+
+    def spy(request: Any, status: RequestStatus) -> None:
+        if request.status is RequestStatus.PREEMPTED:
+            ended_preempted.append((request.request_id, status))
+        end_taking_tokens(request, status)
+
+    monkeypatch.setattr(scheduler, "_end_taking_tokens", spy)
+    expected_engine, _ = make_engine(checkpoint, 1, num_blocks=5, max_model_len=16,
+                                     max_num_batched_tokens=8)
+    expected = run(expected_engine, requests())
+    outputs = run(engine, requests())
+    assert_idle(engine)
+    status = (RequestStatus.FINISHED_LENGTH_CAPPED if ending == "max_tokens"
+              else RequestStatus.FINISHED_STOPPED)
+    assert ended_preempted == [("b", status)]
+    assert outputs["b"].outputs[0].token_ids == ref[:4]
+    for req_id, want in expected.items():
+        assert_same_output(outputs[req_id], want, req_id, cached_tokens=False)
+
+
 # ---------------------------------------------------------------------- prefix caching
 @pytest.mark.parametrize("batches", [2, 3])
 def test_prefix_hits_across_microbatches(checkpoint: Path, batches: int) -> None:
@@ -360,6 +403,48 @@ def test_prefix_hits_across_microbatches(checkpoint: Path, batches: int) -> None
                                      max_num_batched_tokens=12)
     assert recorder.num_hit_blocks_checked > 0
     assert sum(o.num_cached_tokens for o in outputs.values()) > 0
+
+
+# ---------------------------------------------------------------------- encoder-decoder
+@pytest.mark.parametrize("late", [False, True], ids=["computed-at-submit", "computed-late"])
+def test_an_encoder_decoder_model_equals_the_synchronous_loop(
+    tmp_path_factory: pytest.TempPathFactory, late: bool
+) -> None:
+    """BART through three microbatches in flight: encoders run in the microbatch that
+    admits their request, an encoder input shared by three requests is encoded once
+    (the others wait for its cross blocks, then hit them), and preemption frees and
+    brings back cross tables."""
+    from kvferry_testing.encdec_checkpoints import make_bart_checkpoint
+
+    bart = make_bart_checkpoint(tmp_path_factory.mktemp("bart"), seed=3)
+    rng = np.random.default_rng(2)
+    encoders = [[0, *rng.integers(4, 500, size=n).tolist(), 2] for n in (5, 30, 0, 55, 12, 0)]
+    encoders[2] = encoders[5] = encoders[1]
+    decoders = [[2, 0, *rng.integers(4, 500, size=n).tolist()] for n in (0, 14, 3, 25, 7, 2)]
+
+    def requests() -> list[Request]:
+        return [(f"e{i}", {"encoder_prompt": {"prompt_token_ids": enc},
+                           "decoder_prompt": {"prompt_token_ids": dec}},
+                 greedy(10, ignore_eos=True) if i % 2 else SamplingParams(
+                     temperature=1.0, seed=i, max_tokens=10, ignore_eos=True))
+                for i, (enc, dec) in enumerate(zip(encoders, decoders, strict=True))]
+
+    # 45 usable blocks: one sequence of 48 tokens with the longest cross table fits.
+    engine_args: dict[str, Any] = {"num_blocks": 46, "max_model_len": 48,
+                                   "max_num_batched_tokens": 12, "dtype": "float32"}
+    if late:
+        expected_engine, _ = make_engine(bart, 1, **engine_args)
+        expected = run(expected_engine, requests())
+        engine = late_engine(bart, 3, **engine_args)
+        outputs = run(engine, requests())
+        assert_idle(engine)
+        for req_id, want in expected.items():
+            assert_same_output(outputs[req_id], want, req_id, cached_tokens=False)
+    else:
+        _, engine, _ = both_ways(bart, requests, 3, cached_tokens=False, **engine_args)
+    assert engine.stats.scheduler.num_preemptions > 0
+    manager = engine.kv_cache_manager
+    assert not manager.req_to_cross_blocks and not manager.req_to_blocks
 
 
 # ---------------------------------------------------------------------- failures
