@@ -336,7 +336,15 @@ class EngineCore:
             if self.kv_connector is not None:
                 self.kv_connector.start_transfers()
             queue_times.update(self._queue_times(scheduler_output))
-            future = self._submit(scheduler_output)
+            try:
+                future = self.executor.submit(scheduler_output,
+                                              self._start_bitmask(scheduler_output))
+            except Exception as exc:  # noqa: BLE001 - as a step that raises when it runs
+                # Never sent (a stage that cannot be reached): it fails now, before a
+                # microbatch behind it carries its prompts on to a runner that never saw
+                # them; the loop then drains the microbatches in flight.
+                outputs += self._fail_step(scheduler_output, exc, recover_runner=False)
+                break
             if not scheduler_output.total_num_scheduled_tokens:
                 # Nothing to compute (it tells the runner who finished, or runs encoders
                 # only): an executor completes it at once; nothing more to schedule until
@@ -351,17 +359,6 @@ class EngineCore:
             self._failed_req_ids = None
         self._release_finished_embeds()
         return EngineCoreOutputs(outputs, self.make_stats(), queue_times)
-
-    def _submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        """Hands a microbatch to the executor. A submit that raises (a stage that cannot
-        be reached) fails the microbatch, as a future that raises would: the steps in
-        flight are still updated and the loop goes on."""
-        try:
-            return self.executor.submit(scheduler_output, self._start_bitmask(scheduler_output))
-        except Exception as exc:  # noqa: BLE001 - as a step that raises when it runs
-            failed: Future[ModelRunnerOutput] = Future()
-            failed.set_exception(exc)
-            return failed
 
     def _finish_microbatch(self, scheduler_output: SchedulerOutput,
                            future: Future[ModelRunnerOutput]) -> list[EngineCoreOutput]:

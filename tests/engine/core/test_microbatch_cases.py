@@ -565,18 +565,19 @@ def test_max_num_seqs_bounds_each_microbatch(checkpoint: Path) -> None:
 
 class RaisesAtSubmit(Executor):
     """An executor whose `submit` itself raises (a transport that fails to send) for the
-    first step with tokens that also tells of requests finished since the last one; the
-    others run on `inner`."""
+    first step with tokens that `doomed` picks; the others run on `inner`."""
 
-    def __init__(self, inner: Executor, num_stages: int) -> None:
+    def __init__(self, inner: Executor, num_stages: int,
+                 doomed: Callable[[SchedulerOutput], bool]) -> None:
         self.inner = inner
         self.max_concurrent_batches = num_stages
+        self.doomed = doomed
         self.failed: SchedulerOutput | None = None
 
     def submit(self, scheduler_output: SchedulerOutput,
                grammar_bitmask: Any = None) -> Future[ModelRunnerOutput]:
         if (self.failed is None and scheduler_output.total_num_scheduled_tokens
-                and scheduler_output.finished_req_ids):
+                and self.doomed(scheduler_output)):
             self.failed = scheduler_output
             raise ConnectionError("stage 1 is unreachable")
         return self.inner.submit(scheduler_output, grammar_bitmask)
@@ -596,7 +597,7 @@ def test_a_submit_that_raises_fails_its_microbatch_only(checkpoint: Path) -> Non
     expected = run(expected_engine, requests())
     engine, recorder = make_engine(checkpoint, 2)
     assert recorder is not None
-    raising = RaisesAtSubmit(recorder, 2)
+    raising = RaisesAtSubmit(recorder, 2, lambda so: bool(so.finished_req_ids))
     engine.engine_core.executor = raising
     outputs = run(engine, requests())
     assert_idle(engine)
@@ -608,6 +609,31 @@ def test_a_submit_that_raises_fails_its_microbatch_only(checkpoint: Path) -> Non
             assert outputs[req_id].outputs[0].finish_reason == "error", req_id
         else:
             assert_same_output(outputs[req_id], want, req_id)
+
+
+def test_nothing_continues_a_microbatch_whose_submit_raised(checkpoint: Path) -> None:
+    """The submit of the microbatch with a prompt's first chunk raises: it fails there and
+    then, so no microbatch behind it carries that prompt's next chunk (with another
+    request) to a runner that never saw the prompt."""
+
+    def requests() -> list[Request]:
+        # Budget 16: the long prompt's first chunk, then its last four tokens and the
+        # other's prompt.
+        return [("long", tokens(0, 20), greedy(5, ignore_eos=True)),
+                ("other", tokens(40, 12), greedy(6, ignore_eos=True))]
+
+    expected_engine, _ = make_engine(checkpoint, 1)
+    expected = run(expected_engine, requests())
+    engine, recorder = make_engine(checkpoint, 2)
+    assert recorder is not None
+    raising = RaisesAtSubmit(
+        recorder, 2, lambda so: any(new.req_id == "long" for new in so.scheduled_new_reqs))
+    engine.engine_core.executor = raising
+    outputs = run(engine, requests())
+    assert_idle(engine)
+    assert raising.failed is not None and set(raising.failed.num_scheduled_tokens) == {"long"}
+    assert outputs["long"].outputs[0].finish_reason == "error"
+    assert_same_output(outputs["other"], expected["other"], "other")
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["computed-at-submit", "computed-late"])
