@@ -24,6 +24,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from kvferry.engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -50,6 +51,9 @@ from kvferry.engine.structured_output.manager import GrammarBitmask, StructuredO
 
 from kvferry.protocol.prompt_embeds import PLACEHOLDER_TOKEN_ID
 
+if TYPE_CHECKING:
+    from kvferry.engine.executor.pipeline import PipelineExecutor
+
 logger = logging.getLogger(__name__)
 
 # Most seconds a step with nothing to compute waits for a grammar to compile (short: the
@@ -75,25 +79,40 @@ class EngineCore:
                 and not self.arch.is_encoder_decoder):
             raise ValueError(f"--role encoder serves the encoder of an encoder-decoder model "
                              f"(BART, Whisper); {self.arch.architecture} has none")
-        self.runner = ModelRunner(
-            self.model_dir, self.arch, self.dtype, self.device, cache_cfg,
-            max_num_reqs=sched_cfg.max_num_seqs, max_model_len=self.max_model_len,
-            max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
-            attention_backend=config.attention_backend,
-            transfer_memory=config.kv_transfer is not None,
-        )
-        # The weights are loaded: on a GPU, a profiling step of the largest size tells
-        # what the KV cache may take (memory_profile.py).
-        gpu_budget = (
-            None if cache_cfg.num_gpu_blocks_override is not None
-            else self.runner.measure_kv_cache_budget(
-                cache_cfg.gpu_memory_utilization, sched_cfg.max_num_seqs,
-                sched_cfg.max_num_encoder_tokens or 0, decode_graphs=self.uses_decode_graphs)
-        )
-        num_blocks = determine_num_blocks(self.arch, cache_cfg, self.dtype, gpu_budget)
-        check_kv_cache_fits(num_blocks, cache_cfg, self.max_model_len, self.device,
-                            max_encoder_len)
-        self.runner.initialize_kv_cache(num_blocks)
+        # Pipeline parallelism: the stages' worker processes (engine/executor/), which
+        # `runner` then stands for; None when the model runs in this process.
+        self.executor: PipelineExecutor | None = None
+        self.runner: ModelRunner | PipelineExecutor
+        if config.parallel.pipeline_parallel_size > 1:
+            self.executor = self._start_pipeline()
+            self.runner = self.executor
+            num_blocks = self.executor.num_blocks()
+        else:
+            self.runner = ModelRunner(
+                self.model_dir, self.arch, self.dtype, self.device, cache_cfg,
+                max_num_reqs=sched_cfg.max_num_seqs, max_model_len=self.max_model_len,
+                max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
+                attention_backend=config.attention_backend,
+                transfer_memory=config.kv_transfer is not None,
+            )
+            # The weights are loaded: on a GPU, a profiling step of the largest size tells
+            # what the KV cache may take (memory_profile.py).
+            gpu_budget = (
+                None if cache_cfg.num_gpu_blocks_override is not None
+                else self.runner.measure_kv_cache_budget(
+                    cache_cfg.gpu_memory_utilization, sched_cfg.max_num_seqs,
+                    sched_cfg.max_num_encoder_tokens or 0,
+                    decode_graphs=self.uses_decode_graphs)
+            )
+            num_blocks = determine_num_blocks(self.arch, cache_cfg, self.dtype, gpu_budget)
+        try:
+            check_kv_cache_fits(num_blocks, cache_cfg, self.max_model_len, self.device,
+                                max_encoder_len)
+            self.runner.initialize_kv_cache(num_blocks)
+        except BaseException:
+            if self.executor is not None:  # no worker outlives a core that did not start
+                self.executor.shutdown()
+            raise
         if self.uses_decode_graphs:
             self.runner.enable_decode_graphs()
         self.kv_cache_manager = KVCacheManager(
@@ -146,10 +165,33 @@ class EngineCore:
         """Whether decode-only steps replay CUDA graphs: on a GPU with the Triton backend,
         unless `enforce_eager`. The torch backend plans its decodes on the host from each
         step's lengths, and encoder-decoder models' cross-attention is not in the graphs:
-        those run eagerly."""
-        return (self.device.type == "cuda" and not self.config.enforce_eager
+        those run eagerly. Pipeline stages run eagerly too."""
+        return (self.executor is None and self.device.type == "cuda"
+                and not self.config.enforce_eager
+                and isinstance(self.runner, ModelRunner)
                 and self.runner.attn_backend.name == "triton"
                 and not self.arch.is_encoder_decoder)
+
+    def _start_pipeline(self) -> PipelineExecutor:
+        """Starts the pipeline's worker processes (each loads its stage); ValueError for
+        what they cannot run yet."""
+        from kvferry.engine.executor.pipeline import PipelineExecutor
+
+        config = self.config
+        size = config.parallel.pipeline_parallel_size
+        if config.kv_transfer is not None:
+            raise ValueError(f"KV transfer (--role prefill/decode/encoder) with "
+                             f"pipeline_parallel_size {size} is not available yet")
+        if config.scheduler.async_scheduling:
+            raise ValueError(f"async_scheduling with pipeline_parallel_size {size} is not "
+                             "available yet")
+        sched_cfg = config.scheduler
+        return PipelineExecutor(
+            self.model_dir, self.arch, self.dtype, self.device, config.cache, config.parallel,
+            max_num_reqs=sched_cfg.max_num_seqs, max_model_len=self.max_model_len,
+            max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
+            attention_backend=config.attention_backend, seed=config.model.seed,
+        )
 
     def _transfer_groups(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The cache tensor of each block group the transfer layer moves: self-attention,
@@ -335,10 +377,13 @@ class EngineCore:
         return stats
 
     def shutdown(self) -> None:
-        """Stops the KV connector's threads and side channel, and the grammar threads."""
+        """Stops the KV connector's threads and side channel, the grammar threads, and the
+        pipeline's worker processes."""
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
         self.structured_output.shutdown()
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def _queue_times(self, scheduler_output: SchedulerOutput) -> dict[str, float]:
         """Seconds each sequence first scheduled this step waited since its arrival.

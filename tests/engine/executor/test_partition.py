@@ -194,3 +194,80 @@ def test_an_encoder_decoder_model_is_refused_for_more_than_one_stage(tmp_path: P
         check_pipeline_support(config, 2)
     with pytest.raises(ValueError, match="without pipeline parallelism"):
         _load(bart, PipelineStage(0, 2, 0, 1))
+
+
+def test_the_profiling_step_runs_each_stage(
+    make_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvferry.engine.runner import memory_profile
+
+    path = make_checkpoint(num_layers=3)
+    sampled: list[int] = []
+    sampler = memory_profile.Sampler
+
+    def counting_sampler() -> object:
+        inner = sampler()
+
+        def run(logits: torch.Tensor, metadata: object) -> object:
+            sampled.append(logits.shape[0])
+            return inner(logits, metadata)
+        return run
+
+    monkeypatch.setattr(memory_profile, "Sampler", counting_sampler)
+    for stage in pipeline_stages(3, 3):
+        model = _load(path, stage)
+        shape = (1, stage.num_layers, 2, BLOCK_SIZE, model.config.num_kv_heads,
+                 model.config.head_size)
+        memory_profile.run_profile_step(
+            model, model.config.vocab_size, num_tokens=40, max_num_seqs=8, max_model_len=16,
+            block_size=BLOCK_SIZE, kv_cache_shape=shape, dtype=torch.float32,
+            device=torch.device("cpu"))
+    assert sampled == [8]  # only the last stage computes logits and samples
+
+
+# ---------------------------------------------------------------------- configuration
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be >= 1, got 0"),
+    ({"tensor_parallel_size": 2}, ("tensor parallelism is not available yet: "
+                                  "tensor_parallel_size must be 1, got 2")),
+    ({"pipeline_parallel_size": 2, "pp_layer_partition": [3]},
+     r"pp_layer_partition has 1 entries \(\[3\]\); pipeline_parallel_size is 2"),
+    ({"pipeline_parallel_size": 2, "pp_layer_partition": [2, 0]},
+     r"pp_layer_partition must hold layer counts >= 1, got \[2, 0\]"),
+])
+def test_a_bad_parallel_config_is_refused(fields: dict, message: str) -> None:
+    from kvferry.engine.config import ParallelConfig
+
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(**fields)
+
+
+def test_what_a_pipeline_cannot_run_yet_is_refused_before_any_worker_starts(
+    make_checkpoint: Callable[..., Path], tmp_path: Path,
+) -> None:
+    from kvferry.engine.config import EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+    from kvferry.engine.core.engine_core import EngineCore
+    from kvferry_testing.encdec_checkpoints import make_bart_checkpoint
+
+    path = make_checkpoint(num_layers=3)
+
+    def config(model: Path, **fields: object) -> EngineConfig:
+        return EngineConfig(model=ModelConfig(model=str(model)), device="cpu",
+                            parallel=ParallelConfig(pipeline_parallel_size=2), **fields)
+
+    with pytest.raises(ValueError, match="async_scheduling with pipeline_parallel_size 2 is "
+                                         "not available yet"):
+        EngineCore(config(path, scheduler=SchedulerConfig(async_scheduling=True)))
+    with pytest.raises(ValueError, match="is an encoder-decoder model without pipeline "
+                                         "parallelism"):
+        EngineCore(config(make_bart_checkpoint(tmp_path / "bart")))
+    too_many = EngineConfig(model=ModelConfig(model=str(path)), device="cpu",
+                            parallel=ParallelConfig(pipeline_parallel_size=4))
+    with pytest.raises(ValueError, match="cannot split 3 layers over 4 pipeline stages"):
+        EngineCore(too_many)
+    wrong_sum = EngineConfig(model=ModelConfig(model=str(path)), device="cpu",
+                             parallel=ParallelConfig(pipeline_parallel_size=2,
+                                                     pp_layer_partition=[2, 2]))
+    with pytest.raises(ValueError, match=r"pp_layer_partition \[2, 2\] covers 4 layers; "
+                                         "the model has 3"):
+        EngineCore(wrong_sum)
