@@ -138,7 +138,8 @@ class ParallelConfig:
     # Pipeline stages, each a worker process with a contiguous share of the layers and
     # their KV cache (engine/executor/). 1: the model runs in the engine core's process.
     pipeline_parallel_size: int = 1
-    # Ranks each layer is sharded over; only 1 is available.
+    # Ranks each layer is sharded over. Only 1 runs yet: the engine refuses more when it
+    # starts (a command line the operator renders with more is still well-formed).
     tensor_parallel_size: int = 1
     # Layers per stage, one count per stage, adding up to the model's layers; None splits
     # them evenly (the remainder to the first stages).
@@ -149,9 +150,6 @@ class ParallelConfig:
                  f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
         _require(self.tensor_parallel_size >= 1,
                  f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        _require(self.tensor_parallel_size == 1,
-                 f"tensor parallelism is not available yet: tensor_parallel_size must be 1, "
-                 f"got {self.tensor_parallel_size}")
         partition = self.pp_layer_partition
         if partition is None:
             return
@@ -162,6 +160,12 @@ class ParallelConfig:
         _require(all(isinstance(c, int) and not isinstance(c, bool) and c >= 1
                      for c in partition),
                  f"pp_layer_partition must hold layer counts >= 1, got {partition}")
+
+    def check_supported(self) -> None:
+        """ValueError for what cannot run yet: tensor parallelism."""
+        _require(self.tensor_parallel_size == 1,
+                 f"tensor parallelism is not available yet: tensor_parallel_size must be 1, "
+                 f"got {self.tensor_parallel_size}")
 
     @property
     def world_size(self) -> int:

@@ -66,6 +66,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        config.parallel.check_supported()
         model_cfg, cache_cfg, sched_cfg = config.model, config.cache, config.scheduler
         self.device = resolve_device(config.device)
         torch.manual_seed(model_cfg.seed)
@@ -268,6 +269,12 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+
+    @property
+    def fatal_error(self) -> Exception | None:
+        """Why no further step can run (a pipeline stage is gone), or None. Steps still
+        run meanwhile: each fails its requests at once."""
+        return None if self.executor is None else self.executor.failure
 
     def has_requests_to_compute(self) -> bool:
         """False while the only work is transfers (pulls in flight, blocks held for one)."""

@@ -228,8 +228,7 @@ def test_the_profiling_step_runs_each_stage(
 # ---------------------------------------------------------------------- configuration
 @pytest.mark.parametrize(("fields", "message"), [
     ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be >= 1, got 0"),
-    ({"tensor_parallel_size": 2}, ("tensor parallelism is not available yet: "
-                                  "tensor_parallel_size must be 1, got 2")),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1, got 0"),
     ({"pipeline_parallel_size": 2, "pp_layer_partition": [3]},
      r"pp_layer_partition has 1 entries \(\[3\]\); pipeline_parallel_size is 2"),
     ({"pipeline_parallel_size": 2, "pp_layer_partition": [2, 0]},
@@ -255,6 +254,11 @@ def test_what_a_pipeline_cannot_run_yet_is_refused_before_any_worker_starts(
         return EngineConfig(model=ModelConfig(model=str(model)), device="cpu",
                             parallel=ParallelConfig(pipeline_parallel_size=2), **fields)
 
+    tensor = EngineConfig(model=ModelConfig(model=str(path)), device="cpu",
+                          parallel=ParallelConfig(tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="tensor parallelism is not available yet: "
+                                         "tensor_parallel_size must be 1, got 2"):
+        EngineCore(tensor)
     with pytest.raises(ValueError, match="async_scheduling with pipeline_parallel_size 2 is "
                                          "not available yet"):
         EngineCore(config(path, scheduler=SchedulerConfig(async_scheduling=True)))
