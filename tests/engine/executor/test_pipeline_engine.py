@@ -4,12 +4,14 @@ split is uneven), token for token.
 
 Each scenario runs the same requests through both engines: a mixed batch with chunked
 prefill, prefix hits, seeded sampling, n > 1, logprobs, prompt logprobs, penalties and stop
-conditions; preemption; aborts mid-run. Both engines end idle. Another test kills a stage
+conditions; preemption; aborts mid-run; prompts given as embeddings; structured outputs
+(the grammar bitmask reaches the last stage). Both engines end idle. Another test kills a stage
 and checks that the requests in flight end with an error within seconds.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -29,7 +31,7 @@ from kvferry.engine.config import (
 from kvferry.engine.executor.pipeline import PipelineExecutor
 from kvferry.engine.frontend.llm_engine import LLMEngine
 from kvferry.engine.frontend.outputs import RequestOutput
-from kvferry.engine.sampling_params import SamplingParams
+from kvferry.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 BLOCK_SIZE = 4
 EOS = 2
@@ -37,9 +39,9 @@ Request = tuple[str, Any, SamplingParams]
 
 
 def make_engine(model: Path, pipeline_parallel_size: int, *, num_blocks: int = 40,
-                partition: list[int] | None = None) -> LLMEngine:
+                partition: list[int] | None = None, **model_fields: Any) -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=ModelConfig(model=str(model), max_model_len=64),
+        model=ModelConfig(model=str(model), max_model_len=64, **model_fields),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=16),
         device="cpu",
@@ -57,8 +59,8 @@ def checkpoint(make_checkpoint: Callable[..., Path]) -> Path:
 def engines(checkpoint: Path) -> Iterator[tuple[LLMEngine, LLMEngine]]:
     """The single-process engine and the two-stage one, reused across scenarios (each
     ends idle)."""
-    single = make_engine(checkpoint, 1)
-    pipeline = make_engine(checkpoint, 2)
+    single = make_engine(checkpoint, 1, enable_prompt_embeds=True)
+    pipeline = make_engine(checkpoint, 2, enable_prompt_embeds=True)
     assert isinstance(pipeline.engine_core.executor, PipelineExecutor)
     assert single.engine_core.executor is None
     yield single, pipeline
@@ -218,6 +220,58 @@ def test_aborts_mid_run_equal_the_single_process_engine(
     outputs = both_ways(engines, requests, abort_after={"r1": 1, "r3": 4})
     assert [len(outputs[r].outputs[0].token_ids) for r in ("r1", "r3")] == [1, 4]
     assert outputs["r1"].outputs[0].finish_reason == "abort"
+
+
+def test_prompt_embeddings_equal_the_single_process_engine(
+    engines: tuple[LLMEngine, LLMEngine], checkpoint: Path,
+) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    # Stage 0 reads the embeddings (a long prompt: chunked); the last stage, which has no
+    # embedding table of its own, samples.
+    table = load_file(str(checkpoint / "model.safetensors"))["model.embed_tokens.weight"]
+    gen = torch.Generator().manual_seed(4)
+    embeds = [torch.randn(n, table.shape[1], generator=gen) * 0.5 for n in (5, 23)]
+
+    def requests() -> list[Request]:
+        return [(f"e{i}", {"prompt_embeds": e}, greedy(6, ignore_eos=True))
+                for i, e in enumerate(embeds)] + [
+            ("ids", {"prompt_embeds": table[[7, 8, 9]]}, greedy(6, ignore_eos=True))]
+
+    outputs = both_ways(engines, requests)
+    tokens = run(engines[1], [("plain", {"prompt_token_ids": [7, 8, 9]},
+                               greedy(6, ignore_eos=True))])
+    assert outputs["ids"].outputs[0].token_ids == tokens["plain"].outputs[0].token_ids
+
+
+def test_structured_outputs_equal_the_single_process_engine(
+    demo_checkpoint: Path,
+) -> None:
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["name", "n"], "additionalProperties": False}
+    constrained = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=(
+        StructuredOutputsParams(json=schema)))
+
+    def requests() -> list[Request]:
+        return [("json-a", "Hello there", constrained), ("json-b", "x", constrained),
+                ("regex", "Answer:", SamplingParams(
+                    temperature=1.0, seed=5, max_tokens=40,
+                    structured_outputs=StructuredOutputsParams(
+                        regex="(yes|no|maybe) [0-9]{1,3}"))),
+                ("free", "The river", SamplingParams(temperature=0.0, max_tokens=12))]
+
+    engines = (make_engine(demo_checkpoint, 1, dtype="float32"),
+               make_engine(demo_checkpoint, 2, dtype="float32"))
+    try:
+        outputs = both_ways(engines, requests)
+    finally:
+        for engine in engines:
+            engine.shutdown()
+    for req_id in ("json-a", "json-b"):
+        assert set(json.loads(outputs[req_id].outputs[0].text)) == {"name", "n"}
 
 
 # ---------------------------------------------------------------------- failure
