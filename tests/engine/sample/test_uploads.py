@@ -35,11 +35,14 @@ def test_arrays_of_one_dtype_share_one_buffer_in_order() -> None:
     assert tensors[3].dtype == torch.bool
 
 
+def storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
 def test_pinned_buffers_take_turns_and_grow() -> None:
     pinned = PinnedUploads()
     first = upload(_arrays(1), CPU, pinned, pack_on_cpu=True)
     second = upload(_arrays(2), CPU, pinned, pack_on_cpu=True)
-    storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
     assert storage(first[0]) != storage(second[0])
     values = first[0].clone()
     third = upload(_arrays(3), CPU, pinned, pack_on_cpu=True)
