@@ -1,5 +1,5 @@
 """`kvferry up` of encoder-decoder services with an encoder pool, for real: encoder pods
-(`--role encoder`), a decode pod pulling their cross-attention blocks over NIXL, and the
+(`--role encoder`), decode pods pulling their cross-attention blocks over NIXL, and the
 router's encode hop in front, on the generated demo-whisper and demo-bart models."""
 
 from __future__ import annotations
@@ -103,16 +103,25 @@ def test_a_checkpoint_of_another_kind_than_the_spec_says_is_refused_before_anyth
 # ---------------------------------------------------------------------------- Whisper
 @pytest.fixture(scope="module")
 def whisper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, dict[str, str]]]:
-    """The example service as it ships, with small KV caches and a short context."""
+    """The example service with two decode pods, small KV caches and a short context."""
     manifest = yaml.safe_load(EXAMPLE.read_text())
     manifest["spec"]["model"]["maxModelLen"] = MAX_MODEL_LEN
     manifest["spec"]["engine"]["extraArgs"] = EXTRA_ARGS
+    manifest["spec"]["pools"]["decode"]["replicas"] = 2
     proc, urls = launch(tmp_path_factory.mktemp("up-whisper"), manifest,
-                        ["whisper-demo-encoder-0", "whisper-demo-decode-0"])
+                        ["whisper-demo-encoder-0", *DECODE_PODS])
     try:
         yield proc, urls
     finally:
         stop(proc)
+
+
+DECODE_PODS = ["whisper-demo-decode-0", "whisper-demo-decode-1"]
+
+
+def decode_total(urls: dict[str, str], name: str) -> float:
+    """A metric summed over the Whisper service's decode pods."""
+    return sum(metric(urls[pod], name) for pod in DECODE_PODS)
 
 
 def wav(samples: np.ndarray, rate: int, note: bytes = b"") -> bytes:
@@ -142,19 +151,21 @@ def transcribe(url: str, data: bytes) -> str:
 def test_a_transcription_is_encoded_on_the_encoder_pod_and_pulled_by_the_decode_pod(
         whisper: tuple[Proc, dict[str, str]]) -> None:
     proc, urls = whisper
-    router, encoder, decode = router_url(proc), urls["whisper-demo-encoder-0"], \
-        urls["whisper-demo-decode-0"]
+    router, encoder = router_url(proc), urls["whisper-demo-encoder-0"]
     samples = tone(2.0, 440)
     through_pools = transcribe(router, wav(samples, 16000))
     assert metric(router, "kvferry:router_encode_hops_total",
                   endpoint="/v1/audio/transcriptions") == 1
-    # The encoder ran on the encoder pod (one 30 s window: 1500 positions), and the decode
+    # The encoder ran on the encoder pod (one 30 s window: 1500 positions), and a decode
     # pod pulled its blocks instead.
     assert metric(encoder, "kvferry:encoder_tokens_total") == 1500
-    assert metric(decode, "kvferry:encoder_tokens_total") == 0
-    assert metric(decode, "kvferry:cross_attention_bytes_pulled_total") > 0
-    # The same audio in another file (other bytes, so another key) sent to the decode pod
+    assert decode_total(urls, "kvferry:encoder_tokens_total") == 0
+    pulled = [metric(urls[pod], "kvferry:cross_attention_bytes_pulled_total")
+              for pod in DECODE_PODS]
+    assert min(pulled) == 0 and max(pulled) > 0  # one pod pulled, once
+    # The same audio in another file (other bytes, so another key) sent to a decode pod
     # itself, which runs the encoder: the same transcript.
+    decode = urls[DECODE_PODS[0]]
     locally = transcribe(decode, wav(samples, 16000, note=b"another file"))
     assert metric(decode, "kvferry:encoder_tokens_total") == 1500
     assert through_pools == locally and through_pools
@@ -164,7 +175,7 @@ def test_a_file_the_decode_pod_holds_skips_the_encode_hop(
         whisper: tuple[Proc, dict[str, str]]) -> None:
     proc, urls = whisper
     router = router_url(proc)
-    pods = [urls["whisper-demo-encoder-0"], urls["whisper-demo-decode-0"]]
+    pods = [urls["whisper-demo-encoder-0"], *(urls[pod] for pod in DECODE_PODS)]
     data = wav(tone(1.0, 880), 16000)
     first = transcribe(router, data)
     # Until the decode pod's KV event with the file's cross blocks reaches the router's
@@ -179,7 +190,8 @@ def test_a_file_the_decode_pod_holds_skips_the_encode_hop(
             break
         assert time.monotonic() < deadline, "the router never skipped the encode hop"
         time.sleep(0.2)
-    # The decode pod took the cross blocks from its cache: no encoder ran anywhere.
+    # The router sent the file to the decode pod holding its cross blocks, which took them
+    # from its cache: no encoder ran anywhere (the other decode pod would have run one).
     assert [metric(pod, "kvferry:encoder_tokens_total") for pod in pods] == encoded
 
 

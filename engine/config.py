@@ -112,6 +112,11 @@ class SchedulerConfig:
     # computes. Worth it where the device would otherwise wait for the host (a GPU); on
     # CPU the model is the host, so it only adds work (off by default).
     async_scheduling: bool = False
+    # Microbatches in flight at once (a pipeline of P stages keeps P: core/microbatches.py).
+    # Each has its own token budget and `max_num_seqs`; a decoding request is in at most
+    # one, a prompt's chunks may follow each other through the stages. 1: one step at a
+    # time.
+    max_concurrent_batches: int = 1
     # Filled in by the engine from ModelConfig once the checkpoint is known.
     max_model_len: int = 0
 
@@ -120,6 +125,16 @@ class SchedulerConfig:
         _require(
             self.max_num_batched_tokens >= 1,
             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        _require(
+            self.max_concurrent_batches >= 1,
+            f"max_concurrent_batches must be >= 1, got {self.max_concurrent_batches}",
+        )
+        _require(
+            not (self.async_scheduling and self.max_concurrent_batches > 1),
+            "async_scheduling overlaps one step with the next on one device; with "
+            "max_concurrent_batches > 1 (pipeline stages) the microbatches overlap instead: "
+            "set one of them",
         )
         _require(
             self.max_num_encoder_tokens is None or self.max_num_encoder_tokens >= 1,

@@ -23,7 +23,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,7 +43,8 @@ from kvferry.engine.core.messages import (
 )
 from kvferry.engine.core.request import Request, RequestStatus
 from kvferry.engine.core.scheduler import Scheduler
-from kvferry.engine.core.scheduler_output import SchedulerOutput
+from kvferry.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kvferry.engine.executor.base import Executor, InProcessExecutor
 from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.models.loader import resolve_dtype
 from kvferry.engine.models.source import resolve_model_source
@@ -80,14 +83,21 @@ class EngineCore:
                 and not self.arch.is_encoder_decoder):
             raise ValueError(f"--role encoder serves the encoder of an encoder-decoder model "
                              f"(BART, Whisper); {self.arch.architecture} has none")
-        # Pipeline parallelism: the stages' worker processes (engine/executor/), which
-        # `runner` then stands for; None when the model runs in this process.
-        self.executor: PipelineExecutor | None = None
-        self.runner: ModelRunner | PipelineExecutor
+        # What runs the steps: the model runner of this process, or (pipeline parallelism)
+        # the stages' worker processes (engine/executor/pipeline.py), and then no runner.
+        self.runner: ModelRunner | None = None
+        self.executor: Executor
         if config.parallel.pipeline_parallel_size > 1:
-            self.executor = self._start_pipeline()
-            self.runner = self.executor
-            num_blocks = self.executor.num_blocks()
+            pipeline = self._start_pipeline()
+            self.executor = pipeline
+            num_blocks = pipeline.num_blocks()
+            try:
+                check_kv_cache_fits(num_blocks, cache_cfg, self.max_model_len, self.device,
+                                    max_encoder_len)
+                pipeline.initialize_kv_cache(num_blocks)
+            except BaseException:  # no worker outlives a core that did not start
+                pipeline.shutdown()
+                raise
         else:
             self.runner = ModelRunner(
                 self.model_dir, self.arch, self.dtype, self.device, cache_cfg,
@@ -106,16 +116,12 @@ class EngineCore:
                     decode_graphs=self.uses_decode_graphs)
             )
             num_blocks = determine_num_blocks(self.arch, cache_cfg, self.dtype, gpu_budget)
-        try:
             check_kv_cache_fits(num_blocks, cache_cfg, self.max_model_len, self.device,
                                 max_encoder_len)
             self.runner.initialize_kv_cache(num_blocks)
-        except BaseException:
-            if self.executor is not None:  # no worker outlives a core that did not start
-                self.executor.shutdown()
-            raise
-        if self.uses_decode_graphs:
-            self.runner.enable_decode_graphs()
+            if self.uses_decode_graphs:
+                self.runner.enable_decode_graphs()
+            self.executor = InProcessExecutor(self.runner)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching
         )
@@ -136,6 +142,9 @@ class EngineCore:
         )
         # Async scheduling: the step launched and not yet updated.
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
+        # (max_concurrent_batches > 1) The microbatches submitted to the executor and not
+        # yet updated, oldest first.
+        self._microbatches: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self.info = EngineCoreInfo(
             model_dir=str(self.model_dir),
             architecture=self.arch.architecture,
@@ -167,36 +176,39 @@ class EngineCore:
         unless `enforce_eager`. The torch backend plans its decodes on the host from each
         step's lengths, and encoder-decoder models' cross-attention is not in the graphs:
         those run eagerly. Pipeline stages run eagerly too."""
-        return (self.executor is None and self.device.type == "cuda"
+        return (self.runner is not None and self.device.type == "cuda"
                 and not self.config.enforce_eager
-                and isinstance(self.runner, ModelRunner)
                 and self.runner.attn_backend.name == "triton"
                 and not self.arch.is_encoder_decoder)
 
     def _start_pipeline(self) -> PipelineExecutor:
-        """Starts the pipeline's worker processes (each loads its stage); ValueError for
-        what they cannot run yet."""
+        """Starts the pipeline's worker processes (each loads its stage) and keeps as many
+        microbatches in flight as there are stages, unless `max_concurrent_batches` says
+        otherwise; ValueError for what a pipeline cannot run yet."""
         from kvferry.engine.executor.pipeline import PipelineExecutor
 
-        config = self.config
+        config, sched_cfg = self.config, self.config.scheduler
         size = config.parallel.pipeline_parallel_size
         if config.kv_transfer is not None:
             raise ValueError(f"KV transfer (--role prefill/decode/encoder) with "
                              f"pipeline_parallel_size {size} is not available yet")
-        if config.scheduler.async_scheduling:
+        if sched_cfg.async_scheduling:
             raise ValueError(f"async_scheduling with pipeline_parallel_size {size} is not "
-                             "available yet")
-        sched_cfg = config.scheduler
-        return PipelineExecutor(
+                             "available yet: the stages overlap microbatches instead")
+        pipeline = PipelineExecutor(
             self.model_dir, self.arch, self.dtype, self.device, config.cache, config.parallel,
             max_num_reqs=sched_cfg.max_num_seqs, max_model_len=self.max_model_len,
             max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
             attention_backend=config.attention_backend, seed=config.model.seed,
         )
+        if sched_cfg.max_concurrent_batches == 1:
+            sched_cfg.max_concurrent_batches = pipeline.max_concurrent_batches
+        return pipeline
 
     def _transfer_groups(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The cache tensor of each block group the transfer layer moves: self-attention,
         and (encoder-decoder models) cross-attention, whose blocks share the one pool."""
+        assert self.runner is not None, "KV transfer runs without pipeline parallelism"
         kv_cache = self.runner.kv_cache
         return (kv_cache, kv_cache) if self.arch.is_encoder_decoder else kv_cache
 
@@ -265,25 +277,29 @@ class EngineCore:
         """The runner hears of finished requests with the next step, which may be long in
         coming on an idle engine: their prompt embeddings are let go now."""
         if self.scheduler.finished_req_ids:
-            self.runner.release_prompt_embeds(self.scheduler.finished_req_ids)
-
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+            self.executor.release_prompt_embeds(self.scheduler.finished_req_ids)
 
     @property
     def fatal_error(self) -> Exception | None:
         """Why no further step can run (a pipeline stage is gone), or None. Steps still
         run meanwhile: each fails its requests at once."""
-        return None if self.executor is None else self.executor.failure
+        return self.executor.fatal_error
+
+    def has_unfinished_requests(self) -> bool:
+        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
+                or bool(self._microbatches))
 
     def has_requests_to_compute(self) -> bool:
         """False while the only work is transfers (pulls in flight, blocks held for one)."""
-        return self.scheduler.has_requests_to_compute() or self._in_flight is not None
+        return (self.scheduler.has_requests_to_compute() or self._in_flight is not None
+                or bool(self._microbatches))
 
     # ------------------------------------------------------------------ step
     def step(self) -> EngineCoreOutputs:
         """Schedules, executes and updates one step; returns what it produced (with async
         scheduling: launches one step and returns what the previous one produced)."""
+        if self.config.scheduler.max_concurrent_batches > 1:
+            return self._step_microbatches()
         if self.scheduler.in_flight is not None:
             return self._step_overlapped()
         outputs = self._collect_transfers()
@@ -298,7 +314,7 @@ class EngineCore:
         if scheduler_output.grammar_req_ids:
             bitmask = self.structured_output.start_bitmask(scheduler_output.grammar_req_ids)
         try:
-            runner_output = self.runner.execute_model(scheduler_output, bitmask)
+            runner_output = self.executor.submit(scheduler_output, bitmask).result()
         except Exception as exc:  # noqa: BLE001 - one bad step must not take every request down
             outputs += self._fail_step(scheduler_output, exc)
         else:
@@ -342,6 +358,43 @@ class EngineCore:
         self._release_finished_embeds()
         return EngineCoreOutputs(outputs, self.make_stats(), queue_times)
 
+    def _step_microbatches(self) -> EngineCoreOutputs:
+        """Up to `max_concurrent_batches` microbatches in flight (seed 001's two-stage loop):
+        schedules and submits microbatches while there is room and something to compute,
+        then waits for the oldest and applies its tokens. A request whose token is in
+        flight is in no other microbatch (core/scheduler.py); with an in-process executor
+        each submit runs at once and this is the synchronous loop."""
+        outputs = self._collect_transfers()
+        outputs += self._admit_compiled_grammars()
+        queue_times: dict[str, float] = {}
+        limit = self.config.scheduler.max_concurrent_batches
+        while len(self._microbatches) < limit:
+            scheduler_output = self.scheduler.schedule()
+            if self.kv_connector is not None:
+                self.kv_connector.start_transfers()
+            queue_times.update(self._queue_times(scheduler_output))
+            future = self.executor.submit(scheduler_output, self._start_bitmask(scheduler_output))
+            if not scheduler_output.total_num_scheduled_tokens:
+                # Nothing to compute (it tells the runner who finished, or runs encoders
+                # only): an executor completes it at once; nothing more to schedule until
+                # a microbatch comes back.
+                outputs += self._finish_microbatch(scheduler_output, future)
+                break
+            self._microbatches.append((scheduler_output, future))
+        if self._microbatches:
+            outputs += self._finish_microbatch(*self._microbatches.popleft())
+        self._release_finished_embeds()
+        return EngineCoreOutputs(outputs, self.make_stats(), queue_times)
+
+    def _finish_microbatch(self, scheduler_output: SchedulerOutput,
+                           future: Future[ModelRunnerOutput]) -> list[EngineCoreOutput]:
+        """Waits for a microbatch's tokens and applies them."""
+        try:
+            runner_output = future.result()
+        except Exception as exc:  # noqa: BLE001 - one bad microbatch must not take every request down
+            return self._fail_step(scheduler_output, exc)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
     def _start_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
         """The step's grammar bitmask, filled on a worker thread while the model runs; None
         in a step without grammars. The previous step was updated first: a request its
@@ -379,18 +432,19 @@ class EngineCore:
 
     def make_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()
+        stats.num_microbatches_in_flight = len(self._microbatches)
+        stats.stage_busy_seconds = self.executor.stage_busy_seconds()
         if self.kv_connector is not None:
             stats.kv_transfer = self.kv_connector.stats()
         return stats
 
     def shutdown(self) -> None:
-        """Stops the KV connector's threads and side channel, the grammar threads, and the
-        pipeline's worker processes."""
+        """Stops the executor, the KV connector's threads and side channel, and the grammar
+        threads."""
+        self.executor.shutdown()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
         self.structured_output.shutdown()
-        if self.executor is not None:
-            self.executor.shutdown()
 
     def _queue_times(self, scheduler_output: SchedulerOutput) -> dict[str, float]:
         """Seconds each sequence first scheduled this step waited since its arrival.
@@ -416,7 +470,7 @@ class EngineCore:
             "a step of %d requests failed; they end with finish_reason 'error', the engine "
             "goes on: %s", len(failed_ids), failed_ids, exc_info=exc,
         )
-        self.runner.recover_from_failed_step(failed_ids)
+        self.executor.recover_from_failed_step(failed_ids)
         return [EngineCoreOutput(r, [], finish_reason=FinishReason.ERROR) for r in failed_ids]
 
 

@@ -236,6 +236,11 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     # Encoder-decoder requests with an encoder pod's params: whose cross blocks were found
     # here already (no pull), and whose params named another input (computed here).
     num_cross_cache_hits: int = 0
+    # Microbatches submitted and not yet updated (max_concurrent_batches > 1), and the
+    # seconds each pipeline stage has spent on microbatches (cumulative; empty when the
+    # executor does not say).
+    num_microbatches_in_flight: int = 0
+    stage_busy_seconds: list[float] = msgspec.field(default_factory=list)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True):

@@ -93,10 +93,15 @@ class Scheduler:
         # Set by the first encoder-decoder request: the encoder gauges are worth computing.
         self._serves_encoder = False
         self._step_encoder_tokens = 0
-        # Async scheduling: the steps scheduled and not yet updated; None in the
-        # synchronous loop, where each step is updated before the next is scheduled.
+        # Async scheduling and microbatches: the steps scheduled and not yet updated; None
+        # in the synchronous loop, where each step is updated before the next is scheduled.
         self.in_flight = (InFlightSteps(kv_cache_manager.enable_caching)
-                          if config.async_scheduling else None)
+                          if config.async_scheduling or config.max_concurrent_batches > 1
+                          else None)
+        # Async scheduling plans a decode behind the step sampling its input (the device
+        # fills it in); microbatches keep decodes disjoint: a request whose token is in
+        # flight waits for it (its placeholder is not a known token then).
+        self._plans_on_placeholders = config.async_scheduling
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -282,8 +287,21 @@ class Scheduler:
 
     def _plan_running(self, budget: StepBudget) -> list[Request] | None:
         """The common step, planned in bulk; None if blocks ran out (see running_plan)."""
-        return plan_running(self.running, self.kv_cache_manager, self.config.max_model_len, budget,
-                            placeholders=self.in_flight is not None)
+        return plan_running(self._running_to_plan(), self.kv_cache_manager,
+                            self.config.max_model_len, budget,
+                            placeholders=self._plans_on_placeholders)
+
+    def _running_to_plan(self) -> list[Request]:
+        """The running requests a step may compute: all of them, or with microbatches the
+        first `max_num_seqs` with tokens to compute (the others' are in flight, or wait for
+        the next microbatch: the runner's batch holds `max_num_seqs` rows)."""
+        config = self.config
+        if config.max_concurrent_batches == 1:
+            return self.running
+        max_model_len = config.max_model_len
+        ready = [r for r in self.running
+                 if min(len(r.all_token_ids), max_model_len) > r.num_computed_tokens]
+        return ready[:config.max_num_seqs]
 
     def _schedule_running_one_by_one(
         self, budget: StepBudget
@@ -291,10 +309,16 @@ class Scheduler:
         scheduled: list[Request] = []
         preempted: list[Request] = []
         max_model_len = self.config.max_model_len
+        # Microbatches: each holds at most max_num_seqs rows (see _running_to_plan).
+        limit = self.config.max_num_seqs if self.config.max_concurrent_batches > 1 else None
         index = 0
         while index < len(self.running) and budget.tokens > 0:
+            if limit is not None and len(scheduled) >= limit:
+                break
             request = self.running[index]
-            num_new = min(num_known_tokens(request), max_model_len) - request.num_computed_tokens
+            known = (num_known_tokens(request) if self._plans_on_placeholders
+                     else len(request.all_token_ids))
+            num_new = min(known, max_model_len) - request.num_computed_tokens
             num_new = min(num_new, budget.tokens)
             index += 1
             if num_new <= 0:
@@ -350,12 +374,15 @@ class Scheduler:
     def _schedule_waiting(self, budget: StepBudget) -> list[Request]:
         scheduled: list[Request] = []
         while self.waiting and budget.tokens > 0:
-            if len(self.running) >= self.config.max_num_seqs:
+            if self._num_seqs(budget) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
-            # Preempted by the schedule behind a step that samples it, it is admitted only
-            # after that step's token joined its output (the next schedule).
-            assert not request.num_output_placeholders, request.request_id
+            # Preempted by a schedule behind a step that samples it, it is admitted only
+            # after that step's token joined its output (async scheduling: the next
+            # schedule; microbatches: once that microbatch is updated).
+            if request.num_output_placeholders:
+                assert not self._plans_on_placeholders, request.request_id
+                break
             is_pulled = request.request_id in self.kv_cache_manager.req_to_blocks
             cross_hits: list[KVCacheBlock] = []
             num_new_cross = 0
@@ -420,6 +447,13 @@ class Scheduler:
     def _pulls_cross(self, request: Request) -> bool:
         return self.remote is not None and request.kv_transfer_params is not None \
             and self.remote.connector.is_cross_pull(request.kv_transfer_params)
+
+    def _num_seqs(self, budget: StepBudget) -> int:
+        """Requests counted against `max_num_seqs`: all running ones, or with microbatches
+        those of the one being planned (each microbatch has its own)."""
+        if self.config.max_concurrent_batches > 1:
+            return len(budget.requests)
+        return len(self.running)
 
     def _park_for_cross_pull(self, request: Request) -> bool | None:
         """An encoder-decoder request whose encoder ran on an encoder pod: allocates its

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 from kvferry.engine.config import CacheConfig, ParallelConfig
 from kvferry.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kvferry.engine.executor.base import Executor
 from kvferry.engine.executor.messages import (
     InitializeKVCache,
     KVCacheReady,
@@ -99,7 +100,7 @@ class _Worker:
     sender: threading.Thread | None = None
 
 
-class PipelineExecutor:
+class PipelineExecutor(Executor):
     """Runs microbatches over P pipeline stages in worker processes."""
 
     def __init__(
@@ -118,6 +119,8 @@ class PipelineExecutor:
         seed: int = 0,
     ) -> None:
         num_stages = parallel.pipeline_parallel_size
+        # Enough microbatches in flight to keep every stage busy.
+        self.max_concurrent_batches = num_stages
         check_pipeline_support(arch, num_stages)
         self.stages = pipeline_stages(arch.num_layers, num_stages, parallel.pp_layer_partition)
         self.cache = cache
@@ -135,7 +138,7 @@ class PipelineExecutor:
         self._is_shut_down = False
         # Seconds each stage computed (waits for the previous stage excluded), and when it
         # worked on the latest microbatches.
-        self.stage_busy_s = [0.0] * num_stages
+        self._stage_busy_s = [0.0] * num_stages
         self.recent_timings: deque[StageTiming] = deque(maxlen=RECENT_TIMINGS)
         self._reader: threading.Thread | None = None
         # Written at shutdown to wake the reader thread (which waits on it with the pipes).
@@ -252,7 +255,11 @@ class PipelineExecutor:
             for worker in self.workers[:-1]:
                 worker.outbox.put(payload)
             last = self.workers[-1].outbox
-            last.put(payload if grammar_bitmask is None else (payload, step_id, grammar_bitmask))
+            if grammar_bitmask is None:
+                last.put(payload)
+            else:  # its rows are copied as soon as they are filled, and sent then
+                last.put((payload, step_id, grammar_bitmask.req_ids,
+                          grammar_bitmask.copy_when_filled()))
         return future
 
     def execute_model(self, scheduler_output: SchedulerOutput,
@@ -317,7 +324,7 @@ class PipelineExecutor:
     def _handle(self, worker: _Worker, message: object) -> None:
         if isinstance(message, StageTiming):
             with self._lock:
-                self.stage_busy_s[message.stage_index] += message.busy_s
+                self._stage_busy_s[message.stage_index] += message.busy_s
                 self.recent_timings.append(message)
         elif isinstance(message, StepDone):
             output = message.output
@@ -355,8 +362,18 @@ class PipelineExecutor:
 
     @property
     def failure(self) -> PipelineStageError | None:
-        """Why the pipeline cannot run (a stage is gone), or None."""
+        """Why the pipeline cannot run (a stage is gone, or it was shut down), or None."""
         return self._failure
+
+    @property
+    def fatal_error(self) -> Exception | None:
+        return self._failure
+
+    def stage_busy_seconds(self) -> list[float]:
+        """Seconds each stage computed microbatches (its waits for the previous stage's
+        output excluded), as the stages report them."""
+        with self._lock:
+            return list(self._stage_busy_s)
 
     # ------------------------------------------------------------------ stop
     def shutdown(self) -> None:
@@ -427,18 +444,19 @@ def _send_loop(worker: _Worker) -> None:
             if isinstance(item, bytes):
                 worker.conn.send_bytes(item)
                 continue
-            payload, step_id, bitmask = item
+            payload, step_id, req_ids, rows = item
             worker.conn.send_bytes(payload)
-            send_message(worker.conn, _filled_bitmask(step_id, bitmask))
+            send_message(worker.conn, _filled_bitmask(step_id, req_ids, rows))
         except OSError:
             return  # the worker is gone: the reader reports it
 
 
-def _filled_bitmask(step_id: int, bitmask: GrammarBitmask) -> StepBitmask:
+def _filled_bitmask(step_id: int, req_ids: list[str], rows: Future[torch.Tensor]
+                    ) -> StepBitmask:
     try:
-        return StepBitmask(step_id, list(bitmask.req_ids), bitmask.result())
+        return StepBitmask(step_id, list(req_ids), rows.result())
     except Exception as exc:  # noqa: BLE001 - the step fails on the last stage with this text
-        return StepBitmask(step_id, list(bitmask.req_ids), None, f"{type(exc).__name__}: {exc}")
+        return StepBitmask(step_id, list(req_ids), None, f"{type(exc).__name__}: {exc}")
 
 
 def _send_quietly(conn: Connection, payload: bytes) -> None:

@@ -111,6 +111,16 @@ def _destination(model: nn.Module, target: _Target) -> torch.Tensor:
 
 
 def _copy_tensor(model: nn.Module, name: str, target: _Target, tensor: torch.Tensor) -> None:
+    owner = target.param_name.rpartition(".")[0]
+    load = getattr(model.get_submodule(owner) if owner else model, "load_checkpoint_tensor",
+                   None)
+    if load is not None:  # a tensor-parallel layer copies its own shard of the tensor
+        try:
+            load(model.get_parameter(target.param_name).data, target.shard_index, tensor)
+        except RuntimeError as e:
+            raise ValueError(f"checkpoint tensor {name} of shape {tuple(tensor.shape)} does "
+                             f"not fit this rank's shard: {e}") from e
+        return
     dest = _destination(model, target)
     if tuple(dest.shape) != tuple(tensor.shape):
         raise ValueError(

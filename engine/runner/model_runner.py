@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,6 +44,7 @@ from kvferry.engine.runner.prepare_inputs import InputBuffers, PreparedInputs, p
 from kvferry.engine.runner.step_staging import StepStaging, StepTensors
 from kvferry.engine.sample.metadata import SamplingMetadata
 from kvferry.engine.sample.sampler import Sampler, SamplerOutput
+from kvferry.engine.sample.uploads import PinnedUploads
 from kvferry.kvtransfer.memory import allocate_kv_cache
 
 if TYPE_CHECKING:
@@ -137,6 +139,8 @@ class ModelRunner:
         self.buffers = InputBuffers.allocate(max_num_batched_tokens, max_num_reqs)
         self.staging = StepStaging(max_num_batched_tokens, max_num_reqs, device)
         self.sampler = Sampler()
+        # Pinned host buffers of the sampling metadata's one copy per dtype (a GPU).
+        self._sampling_uploads = PinnedUploads() if device.type == "cuda" else None
         # Decode-only steps through CUDA graphs (cuda_graphs.py); None: every step eager.
         self.graphs: DecodeGraphs | None = None
         # Async scheduling: sampled tokens still on the device (async_output.py).
@@ -525,7 +529,7 @@ class ModelRunner:
             self.requests.pop(req_id, None)
             self._scoring_prompts.discard(req_id)
 
-    def release_prompt_embeds(self, req_ids: set[str]) -> None:
+    def release_prompt_embeds(self, req_ids: Iterable[str]) -> None:
         """Drops the embeddings held for finished requests before their rows go (the next
         step removes those); a finished row is never scheduled, so nothing reads them."""
         for req_id in req_ids:
@@ -599,6 +603,7 @@ class ModelRunner:
             device=self.device,
             grammar_bitmask=(None if grammar_bitmask is None
                              else _grammar_rows(states, grammar_bitmask)),
+            pinned=self._sampling_uploads,
         )
 
     def _record_samples(self, rows: list[int], states: list[CachedRequestState],

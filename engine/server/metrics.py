@@ -45,6 +45,8 @@ class EngineMetrics:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self._last_prefix_queries = 0
+        # Per pipeline stage: the busy seconds last seen (the counter adds the growth).
+        self._last_stage_busy: dict[int, float] = {}
         self._last_prefix_hits = 0
         self._last_preemptions = 0
         self._make_gauges(block_size, num_gpu_blocks, enable_prefix_caching)
@@ -76,6 +78,10 @@ class EngineMetrics:
             "Encoder-decoder requests waiting to be admitted (their encoder to run, or their "
             "cached cross-attention blocks to be taken)", names, registry=r,
         ).labels(**self._labels())
+        self.num_microbatches = Gauge(
+            "kvferry:microbatches_in_flight",
+            "Microbatches submitted to the pipeline stages and not yet back", names,
+            registry=r).labels(**self._labels())
         self.num_cross_blocks = Gauge(
             "kvferry:cross_attention_blocks_in_use",
             "KV blocks holding cross-attention keys and values of running requests",
@@ -97,6 +103,10 @@ class EngineMetrics:
                                          names, registry=r).labels(**labels)
         self.num_preemptions = Counter("vllm:num_preemptions", "Preemptions of running requests",
                                        names, registry=r).labels(**labels)
+        # Its rate is the stage's busy fraction (time with a microbatch / wall time).
+        self.stage_busy = Counter("kvferry:pipeline_stage_busy_seconds",
+                                  "Seconds a pipeline stage spent computing microbatches",
+                                  ["model_name", "stage"], registry=r)
         self.prefix_cache_queries = Counter("vllm:prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache",
                                             names, registry=r).labels(**labels)
@@ -155,6 +165,11 @@ class EngineMetrics:
         self.kv_cache_usage.set(stats.kv_cache_usage)
         self.num_waiting_for_encoder.set(stats.num_waiting_for_encoder)
         self.num_cross_blocks.set(stats.num_cross_blocks)
+        self.num_microbatches.set(stats.num_microbatches_in_flight)
+        for stage, seconds in enumerate(stats.stage_busy_seconds):
+            counter = self.stage_busy.labels(model_name=self.model_name, stage=str(stage))
+            self._last_stage_busy[stage] = _add_growth(
+                counter, seconds, self._last_stage_busy.get(stage, 0.0))
         if stats.num_step_encoder_tokens:
             self.encoder_tokens.inc(stats.num_step_encoder_tokens)
             self.step_encoder_tokens.observe(stats.num_step_encoder_tokens)
@@ -195,7 +210,7 @@ class EngineMetrics:
         return generate_latest(self.registry)
 
 
-def _add_growth(counter: Counter, total: int, last: int) -> int:
+def _add_growth(counter: Counter, total: float, last: float) -> float:
     """Adds `total - last` to `counter` (a reset of the source counts from zero); returns total."""
     growth = total - last if total >= last else total
     if growth > 0:

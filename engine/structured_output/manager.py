@@ -87,8 +87,25 @@ class GrammarBitmask:
     _rows: Future[torch.Tensor]
 
     def result(self) -> torch.Tensor:
-        """(len(req_ids), num_words) int32 on the CPU; waits for the fill to end."""
+        """(len(req_ids), num_words) int32 on the CPU; waits for the fill to end. The rows
+        are valid until the next step's bitmask is started (they share one buffer)."""
         return self._rows.result()
+
+    def copy_when_filled(self) -> Future[torch.Tensor]:
+        """A copy of the rows taken as soon as they are filled, on the filling thread,
+        before the next step's fill reuses the buffer: for an executor that samples after
+        later steps were started (a pipeline's last stage). Call it before the next step's
+        bitmask is started."""
+        copied: Future[torch.Tensor] = Future()
+
+        def copy(filled: Future[torch.Tensor]) -> None:
+            try:
+                copied.set_result(filled.result().clone())
+            except Exception as exc:  # noqa: BLE001 - the fill's failure travels in the copy
+                copied.set_exception(exc)
+
+        self._rows.add_done_callback(copy)
+        return copied
 
 
 class StructuredOutputManager:

@@ -28,6 +28,7 @@ from kvferry.engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from kvferry.engine.executor.base import InProcessExecutor
 from kvferry.engine.executor.pipeline import PipelineExecutor
 from kvferry.engine.frontend.llm_engine import LLMEngine
 from kvferry.engine.frontend.outputs import RequestOutput
@@ -62,16 +63,21 @@ def engines(checkpoint: Path) -> Iterator[tuple[LLMEngine, LLMEngine]]:
     single = make_engine(checkpoint, 1, enable_prompt_embeds=True)
     pipeline = make_engine(checkpoint, 2, enable_prompt_embeds=True)
     assert isinstance(pipeline.engine_core.executor, PipelineExecutor)
-    assert single.engine_core.executor is None
+    assert pipeline.engine_core.runner is None  # the stages' processes hold the model
+    # As many microbatches in flight as there are stages.
+    assert pipeline.config.scheduler.max_concurrent_batches == 2
+    assert isinstance(single.engine_core.executor, InProcessExecutor)
     yield single, pipeline
     pipeline.shutdown()
     single.shutdown()
 
 
 def run(engine: LLMEngine, requests: list[Request],
-        abort_after: dict[str, int] | None = None) -> dict[str, RequestOutput]:
+        abort_after: dict[str, int] | None = None,
+        in_flight: list[int] | None = None) -> dict[str, RequestOutput]:
     """Adds the requests and steps to the end; `abort_after[id] = k` aborts a request once
-    its first completion has k tokens. Returns each request's last output."""
+    its first completion has k tokens; `in_flight` gets the microbatches still in flight
+    after each step. Returns each request's last output."""
     for req_id, prompt, params in requests:
         engine.add_request(req_id, prompt, params)
     abort_after = dict(abort_after or {})
@@ -79,7 +85,10 @@ def run(engine: LLMEngine, requests: list[Request],
     for _ in range(400):
         if not engine.has_unfinished_requests():
             break
-        for output in engine.step():
+        outputs = engine.step()
+        if in_flight is not None:
+            in_flight.append(engine.stats.scheduler.num_microbatches_in_flight)
+        for output in outputs:
             last[output.request_id] = output
             if len(output.outputs[0].token_ids) >= abort_after.get(output.request_id, 1 << 30):
                 del abort_after[output.request_id]
@@ -133,11 +142,14 @@ def _assert_logprobs_close(got: list, want: list, req_id: str) -> None:
 
 
 def both_ways(engines: tuple[LLMEngine, LLMEngine], requests: Callable[[], list[Request]],
-              abort_after: dict[str, int] | None = None) -> dict[str, RequestOutput]:
-    """Runs the requests on both engines; checks they agree and both end idle."""
+              abort_after: dict[str, int] | None = None,
+              in_flight: list[int] | None = None) -> dict[str, RequestOutput]:
+    """Runs the requests on both engines (`in_flight`: the pipeline's microbatches in
+    flight after each step); checks they agree and both end idle."""
     outputs = []
     for engine in engines:
-        outputs.append(run(engine, requests(), abort_after))
+        pipelined = engine.engine_core.runner is None
+        outputs.append(run(engine, requests(), abort_after, in_flight if pipelined else None))
         assert_idle(engine)
     assert_same_outputs(outputs[0], outputs[1])
     return outputs[1]
@@ -182,7 +194,10 @@ def test_a_mixed_batch_equals_the_single_process_engine(
                 ignore_eos=True)),
         ]
 
-    outputs = both_ways(engines, requests)
+    in_flight: list[int] = []
+    outputs = both_ways(engines, requests, in_flight=in_flight)
+    # The step returned with the next microbatch still in the stages.
+    assert max(in_flight) == 1
     assert len(outputs["chunked"].outputs[0].token_ids) == 8
     assert outputs["prefix-b"].num_cached_tokens == len(prefix)
     assert outputs["eos"].outputs[0].token_ids[3:] == [EOS]

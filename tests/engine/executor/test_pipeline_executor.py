@@ -138,7 +138,7 @@ def test_stage_0_runs_the_next_microbatch_while_the_last_stage_has_not_started(
     timings = {(t.stage_index, t.step_id): t for t in executor.recent_timings}
     first_id = min(ids)
     assert timings[0, first_id + 1].finished < timings[1, first_id].started
-    assert all(executor.stage_busy_s)
+    assert all(executor.stage_busy_seconds())
     # The decodes read the sampled tokens, which reached stage 0 with them.
     decodes = [executor.submit(make_a2()), executor.submit(make_b2())]
     assert [tokens(result(f)) for f in decodes] == expected[2:]
