@@ -246,12 +246,18 @@ class PipelineExecutor(Executor):
             if self._reader is None:
                 raise RuntimeError("initialize_kv_cache must run before the first step")
             step_id = self._next_step_id
-            self._next_step_id += 1
-            new_tokens, self._unsent_tokens = self._unsent_tokens, {}
-            self._futures[step_id] = future
-            request = StepRequest(step_id, scheduler_output, new_tokens,
+            request = StepRequest(step_id, scheduler_output, self._unsent_tokens,
                                   has_grammar_bitmask=grammar_bitmask is not None)
-            payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+            try:
+                payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:  # noqa: BLE001 - a microbatch that cannot be sent fails alone
+                future.set_exception(RuntimeError(
+                    f"microbatch {step_id} cannot be sent to the pipeline stages: "
+                    f"{type(exc).__name__}: {exc}"))
+                return future
+            self._next_step_id += 1
+            self._unsent_tokens = {}
+            self._futures[step_id] = future
             for worker in self.workers[:-1]:
                 worker.outbox.put(payload)
             last = self.workers[-1].outbox
@@ -298,7 +304,15 @@ class PipelineExecutor(Executor):
     # ------------------------------------------------------------------ answers
     def _read_loop(self) -> None:
         """Waits on every stage's pipe and process; resolves futures; fails them all when
-        a stage is gone."""
+        a stage is gone (or this thread fails: no future waits forever)."""
+        try:
+            self._read_until_stopped()
+        except Exception as exc:  # the thread's end must fail what is pending
+            logger.exception("the pipeline executor's reader failed")
+            self._fail(PipelineStageError(None, f"the pipeline executor's reader failed: "
+                                                f"{type(exc).__name__}: {exc}"))
+
+    def _read_until_stopped(self) -> None:
         conns = {w.conn: w for w in self.workers}
         sentinels = {w.process.sentinel: w for w in self.workers}
         while True:

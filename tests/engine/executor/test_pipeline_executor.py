@@ -195,6 +195,17 @@ def test_a_microbatch_that_fails_on_one_stage_fails_alone(
     executor.execute_model(decode({}, finished=("a1", "a2")))
 
 
+def test_a_microbatch_that_cannot_be_sent_fails_alone(executor: PipelineExecutor) -> None:
+    broken = prefill(A)
+    broken.blocked_stop_token_ids = {"a1": lambda: [2]}  # type: ignore[dict-item]
+    future = executor.submit(broken)
+    assert future.done()
+    with pytest.raises(RuntimeError, match="cannot be sent to the pipeline stages"):
+        future.result()
+    assert tokens(executor.execute_model(prefill(A)))  # the stages never saw it
+    executor.execute_model(decode({}, finished=("a1", "a2")))
+
+
 def test_a_grammar_bitmask_reaches_the_last_stage(
     executor: PipelineExecutor, checkpoint: Path,
 ) -> None:
