@@ -119,6 +119,7 @@ class HostRunner:
         runner.requests = {}
         runner._scoring_prompts = set()
         runner.pending = PendingTokens(runner.input_batch)
+        runner._sampling_uploads = None
         runner.arch = _ArchStub(VOCAB_SIZE)
         self.runner = runner
 

@@ -10,7 +10,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from kvferry.engine.config import ATTENTION_BACKENDS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvferry.engine.config import (
+    ATTENTION_BACKENDS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         device=args.device,
         enforce_eager=args.enforce_eager,
+        # `kvferry serve --pipeline-parallel-size/--tensor-parallel-size` (the server's
+        # parallelism group).
+        parallel=ParallelConfig(
+            pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
+            tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        ),
     )
 
 

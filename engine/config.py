@@ -148,6 +148,48 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the model is split over worker processes."""
+
+    # Pipeline stages, each a worker process with a contiguous share of the layers and
+    # their KV cache (engine/executor/). 1: the model runs in the engine core's process.
+    pipeline_parallel_size: int = 1
+    # Ranks each layer is sharded over. Only 1 runs yet: the engine refuses more when it
+    # starts (a command line the operator renders with more is still well-formed).
+    tensor_parallel_size: int = 1
+    # Layers per stage, one count per stage, adding up to the model's layers; None splits
+    # them evenly (the remainder to the first stages).
+    pp_layer_partition: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.pipeline_parallel_size >= 1,
+                 f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        _require(self.tensor_parallel_size >= 1,
+                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        partition = self.pp_layer_partition
+        if partition is None:
+            return
+        _require(len(partition) == self.pipeline_parallel_size,
+                 f"pp_layer_partition has {len(partition)} entries ({partition}); "
+                 f"pipeline_parallel_size is {self.pipeline_parallel_size}: give one layer "
+                 "count per stage")
+        _require(all(isinstance(c, int) and not isinstance(c, bool) and c >= 1
+                     for c in partition),
+                 f"pp_layer_partition must hold layer counts >= 1, got {partition}")
+
+    def check_supported(self) -> None:
+        """ValueError for what cannot run yet: tensor parallelism."""
+        _require(self.tensor_parallel_size == 1,
+                 f"tensor parallelism is not available yet: tensor_parallel_size must be 1, "
+                 f"got {self.tensor_parallel_size}")
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes the engine starts (none when it is 1: the core runs the model)."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
+
+
+@dataclass
 class EngineConfig:
     """Everything one engine needs; split into the subsystems' own configs."""
 
@@ -164,6 +206,8 @@ class EngineConfig:
     enforce_eager: bool = False
     # KV transfer between engines (prefill/decode disaggregation); None: colocated only.
     kv_transfer: KVTransferConfig | None = None
+    # Pipeline (and, later, tensor) parallelism.
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         _require(

@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
 from kvferry.engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -53,6 +54,9 @@ from kvferry.engine.structured_output.manager import GrammarBitmask, StructuredO
 
 from kvferry.protocol.prompt_embeds import PLACEHOLDER_TOKEN_ID
 
+if TYPE_CHECKING:
+    from kvferry.engine.executor.pipeline import PipelineExecutor
+
 logger = logging.getLogger(__name__)
 
 # Most seconds a step with nothing to compute waits for a grammar to compile (short: the
@@ -65,6 +69,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        config.parallel.check_supported()
         model_cfg, cache_cfg, sched_cfg = config.model, config.cache, config.scheduler
         self.device = resolve_device(config.device)
         torch.manual_seed(model_cfg.seed)
@@ -78,27 +83,45 @@ class EngineCore:
                 and not self.arch.is_encoder_decoder):
             raise ValueError(f"--role encoder serves the encoder of an encoder-decoder model "
                              f"(BART, Whisper); {self.arch.architecture} has none")
-        self.runner = ModelRunner(
-            self.model_dir, self.arch, self.dtype, self.device, cache_cfg,
-            max_num_reqs=sched_cfg.max_num_seqs, max_model_len=self.max_model_len,
-            max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
-            attention_backend=config.attention_backend,
-            transfer_memory=config.kv_transfer is not None,
-        )
-        # The weights are loaded: on a GPU, a profiling step of the largest size tells
-        # what the KV cache may take (memory_profile.py).
-        gpu_budget = (
-            None if cache_cfg.num_gpu_blocks_override is not None
-            else self.runner.measure_kv_cache_budget(
-                cache_cfg.gpu_memory_utilization, sched_cfg.max_num_seqs,
-                sched_cfg.max_num_encoder_tokens or 0, decode_graphs=self.uses_decode_graphs)
-        )
-        num_blocks = determine_num_blocks(self.arch, cache_cfg, self.dtype, gpu_budget)
-        check_kv_cache_fits(num_blocks, cache_cfg, self.max_model_len, self.device,
-                            max_encoder_len)
-        self.runner.initialize_kv_cache(num_blocks)
-        if self.uses_decode_graphs:
-            self.runner.enable_decode_graphs()
+        # What runs the steps: the model runner of this process, or (pipeline parallelism)
+        # the stages' worker processes (engine/executor/pipeline.py), and then no runner.
+        self.runner: ModelRunner | None = None
+        self.executor: Executor
+        if config.parallel.pipeline_parallel_size > 1:
+            pipeline = self._start_pipeline()
+            self.executor = pipeline
+            num_blocks = pipeline.num_blocks()
+            try:
+                check_kv_cache_fits(num_blocks, cache_cfg, self.max_model_len, self.device,
+                                    max_encoder_len)
+                pipeline.initialize_kv_cache(num_blocks)
+            except BaseException:  # no worker outlives a core that did not start
+                pipeline.shutdown()
+                raise
+        else:
+            self.runner = ModelRunner(
+                self.model_dir, self.arch, self.dtype, self.device, cache_cfg,
+                max_num_reqs=sched_cfg.max_num_seqs, max_model_len=self.max_model_len,
+                max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
+                attention_backend=config.attention_backend,
+                transfer_memory=config.kv_transfer is not None,
+            )
+            # The weights are loaded: on a GPU, a profiling step of the largest size tells
+            # what the KV cache may take (memory_profile.py).
+            gpu_budget = (
+                None if cache_cfg.num_gpu_blocks_override is not None
+                else self.runner.measure_kv_cache_budget(
+                    cache_cfg.gpu_memory_utilization, sched_cfg.max_num_seqs,
+                    sched_cfg.max_num_encoder_tokens or 0,
+                    decode_graphs=self.uses_decode_graphs)
+            )
+            num_blocks = determine_num_blocks(self.arch, cache_cfg, self.dtype, gpu_budget)
+            check_kv_cache_fits(num_blocks, cache_cfg, self.max_model_len, self.device,
+                                max_encoder_len)
+            self.runner.initialize_kv_cache(num_blocks)
+            if self.uses_decode_graphs:
+                self.runner.enable_decode_graphs()
+            self.executor = InProcessExecutor(self.runner)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching
         )
@@ -111,8 +134,7 @@ class EngineCore:
         tokenizer_dir = (resolve_model_source(model_cfg.tokenizer) if model_cfg.tokenizer
                          else self.model_dir)
         self.structured_output = StructuredOutputManager(
-            tokenizer_dir, self.arch.vocab_size, sched_cfg.max_num_seqs, self.device,
-            num_buffers=sched_cfg.max_concurrent_batches)
+            tokenizer_dir, self.arch.vocab_size, sched_cfg.max_num_seqs, self.device)
         self.scheduler = Scheduler(
             sched_cfg, self.kv_cache_manager,
             None if self.kv_connector is None else self.kv_connector.scheduler,
@@ -120,13 +142,9 @@ class EngineCore:
         )
         # Async scheduling: the step launched and not yet updated.
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
-        # What runs the steps, and (max_concurrent_batches > 1) the microbatches submitted
-        # to it and not yet updated, oldest first.
-        self.executor: Executor = InProcessExecutor(self.runner)
+        # (max_concurrent_batches > 1) The microbatches submitted to the executor and not
+        # yet updated, oldest first.
         self._microbatches: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
-        # Requests of failed microbatches whose runner state is put right once the
-        # microbatches in flight behind them are updated (None: nothing failed).
-        self._failed_req_ids: list[str] | None = None
         self.info = EngineCoreInfo(
             model_dir=str(self.model_dir),
             architecture=self.arch.architecture,
@@ -157,14 +175,40 @@ class EngineCore:
         """Whether decode-only steps replay CUDA graphs: on a GPU with the Triton backend,
         unless `enforce_eager`. The torch backend plans its decodes on the host from each
         step's lengths, and encoder-decoder models' cross-attention is not in the graphs:
-        those run eagerly."""
-        return (self.device.type == "cuda" and not self.config.enforce_eager
+        those run eagerly. Pipeline stages run eagerly too."""
+        return (self.runner is not None and self.device.type == "cuda"
+                and not self.config.enforce_eager
                 and self.runner.attn_backend.name == "triton"
                 and not self.arch.is_encoder_decoder)
+
+    def _start_pipeline(self) -> PipelineExecutor:
+        """Starts the pipeline's worker processes (each loads its stage) and keeps as many
+        microbatches in flight as there are stages, unless `max_concurrent_batches` says
+        otherwise; ValueError for what a pipeline cannot run yet."""
+        from kvferry.engine.executor.pipeline import PipelineExecutor
+
+        config, sched_cfg = self.config, self.config.scheduler
+        size = config.parallel.pipeline_parallel_size
+        if config.kv_transfer is not None:
+            raise ValueError(f"KV transfer (--role prefill/decode/encoder) with "
+                             f"pipeline_parallel_size {size} is not available yet")
+        if sched_cfg.async_scheduling:
+            raise ValueError(f"async_scheduling with pipeline_parallel_size {size} is not "
+                             "available yet: the stages overlap microbatches instead")
+        pipeline = PipelineExecutor(
+            self.model_dir, self.arch, self.dtype, self.device, config.cache, config.parallel,
+            max_num_reqs=sched_cfg.max_num_seqs, max_model_len=self.max_model_len,
+            max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
+            attention_backend=config.attention_backend, seed=config.model.seed,
+        )
+        if sched_cfg.max_concurrent_batches == 1:
+            sched_cfg.max_concurrent_batches = pipeline.max_concurrent_batches
+        return pipeline
 
     def _transfer_groups(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The cache tensor of each block group the transfer layer moves: self-attention,
         and (encoder-decoder models) cross-attention, whose blocks share the one pool."""
+        assert self.runner is not None, "KV transfer runs without pipeline parallelism"
         kv_cache = self.runner.kv_cache
         return (kv_cache, kv_cache) if self.arch.is_encoder_decoder else kv_cache
 
@@ -231,15 +275,15 @@ class EngineCore:
 
     def _release_finished_embeds(self) -> None:
         """The runner hears of finished requests with the next step, which may be long in
-        coming on an idle engine: their prompt embeddings are let go now. Not those of a
-        request in a microbatch in flight, which its executor may not have computed yet:
-        they go with the runner's state of the request at the next step."""
-        finished = self.scheduler.finished_req_ids
-        if finished and self._microbatches:
-            finished = finished.difference(
-                *(output.num_scheduled_tokens for output, _ in self._microbatches))
-        if finished:
-            self.runner.release_prompt_embeds(finished)
+        coming on an idle engine: their prompt embeddings are let go now."""
+        if self.scheduler.finished_req_ids:
+            self.executor.release_prompt_embeds(self.scheduler.finished_req_ids)
+
+    @property
+    def fatal_error(self) -> Exception | None:
+        """Why no further step can run (a pipeline stage is gone), or None. Steps still
+        run meanwhile: each fails its requests at once."""
+        return self.executor.fatal_error
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
@@ -319,11 +363,7 @@ class EngineCore:
         schedules and submits microbatches while there is room and something to compute,
         then waits for the oldest and applies its tokens. A request whose token is in
         flight is in no other microbatch (core/scheduler.py); with an in-process executor
-        each submit runs at once and this is the synchronous loop.
-
-        After a microbatch failed, the loop submits nothing until those in flight behind it
-        are updated: their stages computed them on the runner the failed one left (they
-        may still name its requests), then the runner is put right (`_fail_step`)."""
+        each submit runs at once and this is the synchronous loop."""
         outputs = self._collect_transfers()
         outputs += self._admit_compiled_grammars()
         queue_times: dict[str, float] = {}
@@ -331,7 +371,7 @@ class EngineCore:
         # (each decode would only wait longer for its token).
         limit = min(self.config.scheduler.max_concurrent_batches,
                     self.executor.max_concurrent_batches)
-        while len(self._microbatches) < limit and self._failed_req_ids is None:
+        while len(self._microbatches) < limit:
             scheduler_output = self.scheduler.schedule()
             if self.kv_connector is not None:
                 self.kv_connector.start_transfers()
@@ -342,8 +382,8 @@ class EngineCore:
             except Exception as exc:  # noqa: BLE001 - as a step that raises when it runs
                 # Never sent (a stage that cannot be reached): it fails now, before a
                 # microbatch behind it carries its prompts on to a runner that never saw
-                # them; the loop then drains the microbatches in flight.
-                outputs += self._fail_step(scheduler_output, exc, recover_runner=False)
+                # them.
+                outputs += self._fail_step(scheduler_output, exc)
                 break
             if not scheduler_output.total_num_scheduled_tokens:
                 # Nothing to compute (it tells the runner who finished, or runs encoders
@@ -354,9 +394,6 @@ class EngineCore:
             self._microbatches.append((scheduler_output, future))
         if self._microbatches:
             outputs += self._finish_microbatch(*self._microbatches.popleft())
-        if self._failed_req_ids is not None and not self._microbatches:
-            self.runner.recover_from_failed_step(self._failed_req_ids)
-            self._failed_req_ids = None
         self._release_finished_embeds()
         return EngineCoreOutputs(outputs, self.make_stats(), queue_times)
 
@@ -366,7 +403,7 @@ class EngineCore:
         try:
             runner_output = future.result()
         except Exception as exc:  # noqa: BLE001 - one bad microbatch must not take every request down
-            return self._fail_step(scheduler_output, exc, recover_runner=False)
+            return self._fail_step(scheduler_output, exc)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _start_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
@@ -436,21 +473,15 @@ class EngineCore:
             for r in new_reqs if not r.is_resumed
         }
 
-    def _fail_step(self, scheduler_output: SchedulerOutput, exc: BaseException,
-                   recover_runner: bool = True) -> list[EngineCoreOutput]:
-        """Ends the requests of a step that raised. The runner drops its rows and the
-        failed requests' state now, or (`recover_runner` False: a microbatch, with others
-        in flight behind it) once those are updated."""
+    def _fail_step(self, scheduler_output: SchedulerOutput,
+                   exc: BaseException) -> list[EngineCoreOutput]:
         failed = self.scheduler.fail_step(scheduler_output)
         failed_ids = [r.request_id for r in failed]
         logger.error(
             "a step of %d requests failed; they end with finish_reason 'error', the engine "
             "goes on: %s", len(failed_ids), failed_ids, exc_info=exc,
         )
-        if recover_runner:
-            self.runner.recover_from_failed_step(failed_ids)
-        else:
-            self._failed_req_ids = [*(self._failed_req_ids or ()), *failed_ids]
+        self.executor.recover_from_failed_step(failed_ids)
         return [EngineCoreOutput(r, [], finish_reason=FinishReason.ERROR) for r in failed_ids]
 
 

@@ -1,2 +1,11 @@
 """Executors: what runs the steps the engine core schedules (in this process, or across
-pipeline stages)."""
+pipeline stages).
+
+`base.py` is the interface the core submits microbatches to and the in-process executor
+over the core's `ModelRunner`. With `pipeline_parallel_size` P > 1 the layers are split
+over P worker processes (`partition.py`), each running its stage (`stage_runner.py`) and
+passing hidden states to the next by point-to-point sends (`p2p.py`); `PipelineExecutor`
+(`pipeline.py`) starts them, hands them every microbatch and returns the last stage's
+sampled tokens as futures. `simulated.py` is a pipeline simulated in time, for the
+microbatch loop's tests and benchmark.
+"""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,18 @@ class Executor(ABC):
         """Seconds each stage has spent computing steps so far (empty: not measured)."""
         return []
 
+    def recover_from_failed_step(self, failed_req_ids: list[str]) -> None:
+        """After a step failed: its requests are gone and every batch row is dropped (the
+        others are rebuilt when next scheduled), as `ModelRunner.recover_from_failed_step`."""
+
+    def release_prompt_embeds(self, req_ids: Iterable[str]) -> None:
+        """Lets go of the prompt embeddings held for finished requests."""
+
+    @property
+    def fatal_error(self) -> Exception | None:
+        """Why no further step can run (a pipeline stage is gone), or None."""
+        return None
+
 
 class InProcessExecutor(Executor):
     """The model runner of this process: a step runs when it is submitted."""
@@ -61,3 +74,9 @@ class InProcessExecutor(Executor):
 
     def stage_busy_seconds(self) -> list[float]:
         return [self._busy_seconds]
+
+    def recover_from_failed_step(self, failed_req_ids: list[str]) -> None:
+        self.runner.recover_from_failed_step(failed_req_ids)
+
+    def release_prompt_embeds(self, req_ids: Iterable[str]) -> None:
+        self.runner.release_prompt_embeds(req_ids)

@@ -25,7 +25,9 @@ The front end watches the core's process sentinel (engine/frontend/async_llm.py)
 
 The loop is drain inputs -> step -> send. A pipeline-parallel executor (several steps in
 flight) or a KV connector (transfers finishing between steps) plugs in at
-`EngineCoreProc._run_busy` without changing the messages the front end sees.
+`EngineCoreProc._run_busy` without changing the messages the front end sees. When a
+pipeline stage's worker dies, the steps in flight fail their requests, and the loop ends
+with `CoreFailed`: the server exits non-zero and the pod restarts.
 """
 
 from __future__ import annotations
@@ -95,6 +97,10 @@ class FrontEndGone(Exception):
     """The front end that started the core no longer exists."""
 
 
+class EngineCoreFatal(Exception):
+    """The engine core can run no further step (its message says why)."""
+
+
 class EngineCoreProc:
     """The core's loop: drain inputs, step while there is work, send each step's outputs."""
 
@@ -133,6 +139,7 @@ class EngineCoreProc:
                 # Inputs that left nothing to run (aborts, refused requests): the front end
                 # still learns the new state, e.g. that an aborted request's blocks are free.
                 self._send_outputs(EngineCoreOutputs([], self.engine_core.scheduler.make_stats()))
+            self._check_engine()
             self._check_parent()
 
     # ------------------------------------------------------------------ phases
@@ -141,6 +148,7 @@ class EngineCoreProc:
         timeout_ms = int(PARENT_CHECK_INTERVAL_S * 1000)
         if self.input_socket.poll(timeout_ms, zmq.POLLIN):
             return True
+        self._check_engine()
         self._check_parent(force=True)
         return False
 
@@ -201,6 +209,14 @@ class EngineCoreProc:
         message = CoreStepOutputs(outputs, self.num_requests_received)
         self.output_socket.send(self.encoder.encode(message), copy=False)
 
+    def _check_engine(self) -> None:
+        """Ends the loop when no further step can run (a pipeline stage died): the steps
+        that failed have told the front end; the process then exits with `CoreFailed`,
+        and the server with it, so that the pod restarts."""
+        error = self.engine_core.fatal_error
+        if error is not None:
+            raise EngineCoreFatal(str(error))
+
     def _check_parent(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now < self._next_parent_check:
@@ -241,6 +257,10 @@ def run_engine_core(
         orphaned = True
     except ModelLoadError as exc:  # the checkpoint or a setting: what, not where, is news
         logger.error("engine core failed to load the model: %s", exc)
+        _send(output_socket, encoder, CoreFailed(str(exc)))
+        exit_code = 1
+    except EngineCoreFatal as exc:
+        logger.error("engine core cannot go on: %s", exc)
         _send(output_socket, encoder, CoreFailed(str(exc)))
         exit_code = 1
     except Exception as exc:  # noqa: BLE001 - process boundary: report any failure, then exit

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvferry.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvferry.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from kvferry.engine.frontend.llm_engine import (
     LLMEngine,
     ProcessedPrompt,
@@ -23,6 +29,11 @@ class LLM:
         llm = LLM(model="demo", max_model_len=512)
         for out in llm.generate(["Hello", "The sky"], SamplingParams(max_tokens=8)):
             print(out.prompt, "->", out.outputs[0].text)
+
+    With `pipeline_parallel_size` P > 1 the model's layers are split over P worker
+    processes (multiprocessing spawn: a script that makes such an `LLM` at import time
+    needs the `if __name__ == "__main__":` guard); `shutdown()` stops them, as does the
+    interpreter's exit.
     """
 
     def __init__(
@@ -49,6 +60,9 @@ class LLM:
         max_num_encoder_tokens: int | None = None,
         async_scheduling: bool = False,
         enforce_eager: bool = False,
+        pipeline_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
+        pp_layer_partition: list[int] | None = None,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -71,8 +85,18 @@ class LLM:
             attention_backend=attention_backend,
             device=device,
             enforce_eager=enforce_eager,
+            parallel=ParallelConfig(
+                pipeline_parallel_size=pipeline_parallel_size,
+                tensor_parallel_size=tensor_parallel_size,
+                pp_layer_partition=pp_layer_partition,
+            ),
         )
         self.llm_engine = LLMEngine(config)
+
+    def shutdown(self) -> None:
+        """Stops the engine's threads and worker processes (pipeline stages); the `LLM`
+        cannot generate afterwards."""
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self):  # noqa: ANN201 - the engine's Tokenizer
         return self.llm_engine.tokenizer

@@ -123,6 +123,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
 
+    def shutdown(self) -> None:
+        """Stops the core's threads and worker processes."""
+        self.engine_core.shutdown()
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.parents)
 

@@ -5,6 +5,13 @@ its attention carries. Every forward runs one flat batch of all requests' tokens
 batch axis, no padding); attention goes through the paged backend with explicit
 metadata. Projections that read the same input are fused (q/k/v into `qkv_proj`,
 gate/up into `gate_up_proj`); the loader stacks the checkpoint's tensors into them.
+
+Pipeline parallelism: a model built for one `PipelineStage` holds only that stage's layers
+(as local layers 0..n-1; `checkpoint_name` maps them back to the checkpoint's numbering),
+the embedding on the first stage, the final norm and the head on the last (and the
+embedding there too when the head is tied to it). A stage after the first takes the
+previous stage's `(hidden_states, residual)` instead of token ids; a stage before the last
+returns them instead of normed hidden states.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from kvferry.engine.attention.backend import AttentionBackend, AttentionMetadata, KVCacheView
+from kvferry.engine.executor.partition import PipelineStage
 from kvferry.engine.layers.activation import silu_and_mul
 from kvferry.engine.layers.embedding import VocabEmbedding
 from kvferry.engine.layers.linear import Linear
@@ -21,6 +29,10 @@ from kvferry.engine.layers.rmsnorm import RMSNorm
 from kvferry.engine.layers.rotary import RotaryEmbedding, apply_rotary_emb
 from kvferry.engine.models.config import ModelArchConfig
 from torch import nn
+
+# What a stage before the last hands the next one: the last layer's output is their sum.
+# Both (num_tokens, hidden_size).
+IntermediateTensors = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaAttention(nn.Module):
@@ -132,7 +144,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embeddings, the decoder layers and the final norm (HF's `model.` prefix)."""
+    """Embeddings, the decoder layers and the final norm (HF's `model.` prefix), or the
+    part of them one pipeline stage holds."""
 
     def __init__(
         self,
@@ -143,9 +156,16 @@ class LlamaModel(nn.Module):
         o_bias: bool,
         qk_norm: bool,
         dtype: torch.dtype,
+        stage: PipelineStage,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.stage = stage
+        # The last stage of a tied model reads the table as its output projection.
+        needs_embedding = stage.is_first or (stage.is_last and config.tie_word_embeddings)
+        self.embed_tokens = (
+            VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
+            if needs_embedding else None
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
                 config,
@@ -159,9 +179,12 @@ class LlamaModel(nn.Module):
                 ),
                 dtype=dtype,
             )
-            for _ in range(config.num_layers)
+            for _ in range(stage.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.norm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype) if stage.is_last
+            else None
+        )
         self.rotary_emb = RotaryEmbedding(
             config.head_size,
             config.max_position_embeddings,
@@ -176,19 +199,27 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,  # (num_tokens,) int64
         kv_caches: list[KVCacheView],
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+        residual: torch.Tensor | None = None,  # (num_tokens, hidden_size); None on stage 0
+    ) -> torch.Tensor | IntermediateTensors:
+        """The last stage returns normed hidden states (num_tokens, hidden_size); an
+        earlier one `(hidden_states, residual)` for the next stage."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(
                 f"got {len(kv_caches)} KV cache views for a model of {len(self.layers)} layers"
             )
         cos, sin = self.rotary_emb(positions)  # (num_tokens, head_size // 2) each
-        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states, residual = layer(
                 hidden_states, residual, cos, sin, kv_cache, attn_metadata
             )
+        if self.norm is None:
+            assert residual is not None  # every stage has a layer
+            return hidden_states, residual
         hidden_states, _ = self.norm.add_and_norm(hidden_states, residual)
         return hidden_states  # (num_tokens, hidden_size)
+
+
+_LAYERS_PREFIX = "model.layers."
 
 
 class LlamaForCausalLM(nn.Module):
@@ -196,6 +227,9 @@ class LlamaForCausalLM(nn.Module):
 
     Attention biases follow `config.attention_bias` (q/k/v and o together).
     """
+
+    # Can be split into pipeline stages (`stage`).
+    supports_pipeline_parallel: ClassVar[bool] = True
 
     # Which checkpoint projections each fused module holds, in row order.
     packed_modules_mapping: ClassVar[dict[str, tuple[str, ...]]] = {
@@ -206,7 +240,8 @@ class LlamaForCausalLM(nn.Module):
     use_qk_norm: ClassVar[bool] = False
 
     def __init__(
-        self, config: ModelArchConfig, attn_backend: AttentionBackend, dtype: torch.dtype
+        self, config: ModelArchConfig, attn_backend: AttentionBackend, dtype: torch.dtype,
+        stage: PipelineStage | None = None,
     ) -> None:
         super().__init__()
         if config.hidden_act != "silu":
@@ -215,6 +250,10 @@ class LlamaForCausalLM(nn.Module):
                 "supported: silu"
             )
         self.config = config
+        self.stage = PipelineStage.whole(config.num_layers) if stage is None else stage
+        if self.stage.end_layer > config.num_layers:
+            raise ValueError(f"pipeline stage {self.stage.index} runs layers up to "
+                             f"{self.stage.end_layer}; the model has {config.num_layers}")
         qkv_bias, o_bias = self.attention_biases(config)
         self.model = LlamaModel(
             config,
@@ -223,11 +262,12 @@ class LlamaForCausalLM(nn.Module):
             o_bias=o_bias,
             qk_norm=self.use_qk_norm,
             dtype=dtype,
+            stage=self.stage,
         )
         # Tied checkpoints reuse the embedding table as the output projection.
         self.lm_head = (
             None
-            if config.tie_word_embeddings
+            if config.tie_word_embeddings or not self.stage.is_last
             else Linear(config.hidden_size, [config.vocab_size], bias=False, dtype=dtype)
         )
 
@@ -236,8 +276,20 @@ class LlamaForCausalLM(nn.Module):
         """Returns `(qkv_bias, o_bias)` for this architecture."""
         return config.attention_bias, config.attention_bias
 
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name of parameter `name`: a stage's local layer i is the
+        checkpoint's layer `start_layer + i`."""
+        start = self.stage.start_layer
+        if not start or not name.startswith(_LAYERS_PREFIX):
+            return name
+        index, rest = name[len(_LAYERS_PREFIX):].split(".", 1)
+        return f"{_LAYERS_PREFIX}{int(index) + start}.{rest}"
+
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: (num_tokens,) int64 -> (num_tokens, hidden_size)."""
+        if self.model.embed_tokens is None or not self.stage.is_first:
+            raise ValueError(f"pipeline stage {self.stage.index} does not embed tokens; "
+                             "stage 0 does")
         return self.model.embed_tokens(input_ids)
 
     def forward(
@@ -247,12 +299,21 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCacheView],
         attn_metadata: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,  # (num_tokens, hidden_size)
-    ) -> torch.Tensor:
-        """Runs one flat batch; returns hidden states (num_tokens, hidden_size).
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """Runs one flat batch; returns hidden states (num_tokens, hidden_size), or on a
+        pipeline stage before the last `(hidden_states, residual)` for the next stage.
 
-        Exactly one of `input_ids` and `inputs_embeds` gives the inputs; layer `i` reads
-        and writes `kv_caches[i]` at `attn_metadata.slot_mapping`.
+        On the first stage exactly one of `input_ids` and `inputs_embeds` gives the
+        inputs; a later stage reads `intermediate`, the previous stage's output. Local
+        layer `i` reads and writes `kv_caches[i]` at `attn_metadata.slot_mapping`.
         """
+        if not self.stage.is_first:
+            if intermediate is None:
+                raise ValueError(f"pipeline stage {self.stage.index} needs the previous "
+                                 "stage's (hidden_states, residual)")
+            hidden_states, residual = intermediate
+            return self.model(hidden_states, positions, kv_caches, attn_metadata, residual)
         if inputs_embeds is None:
             if input_ids is None:
                 raise ValueError("forward needs input_ids or inputs_embeds; both are None")
@@ -261,7 +322,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: (n, hidden_size) -> float32 logits (n, vocab_size)."""
+        if not self.stage.is_last:
+            raise ValueError(f"pipeline stage {self.stage.index} has no output head; the "
+                             "last stage computes logits")
         if self.lm_head is None:
+            assert self.model.embed_tokens is not None  # tied: the last stage holds it
             return F.linear(hidden_states, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden_states).float()
 
@@ -270,14 +335,15 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2 / Qwen2.5: a Llama with bias on q/k/v (never on o)."""
 
     def __init__(
-        self, config: ModelArchConfig, attn_backend: AttentionBackend, dtype: torch.dtype
+        self, config: ModelArchConfig, attn_backend: AttentionBackend, dtype: torch.dtype,
+        stage: PipelineStage | None = None,
     ) -> None:
         if config.raw.get("use_sliding_window"):
             raise ValueError(
                 f"{config.architecture}: use_sliding_window=true is not supported; "
                 "only full attention is"
             )
-        super().__init__(config, attn_backend, dtype)
+        super().__init__(config, attn_backend, dtype, stage)
 
     @classmethod
     def attention_biases(cls, config: ModelArchConfig) -> tuple[bool, bool]:

@@ -7,6 +7,10 @@ projections: `...self_attn.q_proj.weight` fills the first row block of
 tied `lm_head`) are ignored; a missing one is an error, except a name ending in one of the
 model's `zero_when_absent` suffixes: that block is zero (Whisper's key projections have no
 bias, but share a fused projection with the query and value ones, which do).
+
+A model built for one pipeline stage holds only its share of the layers, numbered from 0;
+its `checkpoint_name` maps a parameter name to the checkpoint's (local layer i of a stage
+starting at layer s is the checkpoint's layer s + i), and only those tensors are read.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 
 import torch
 from kvferry.engine.attention.backend import AttentionBackend
+from kvferry.engine.executor.partition import PipelineStage
 from kvferry.engine.layers.linear import Linear, prepack_linear_weights
 from kvferry.engine.models.checkpoint import checkpoint_files
 from kvferry.engine.models.config import ModelArchConfig
@@ -66,6 +71,7 @@ def resolve_dtype(
 def _checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
     """Maps every checkpoint tensor name the model needs to where it is copied."""
     packed: dict[str, tuple[str, ...]] = getattr(model, "packed_modules_mapping", {})
+    rename = getattr(model, "checkpoint_name", _same_name)
     targets: dict[str, _Target] = {}
     for param_name, _ in model.named_parameters():
         # A parameter of the model itself (BART's final_logits_bias) has no module path.
@@ -74,10 +80,14 @@ def _checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
         prefix = f"{parent}." if parent else ""
         if module_name in packed:
             for index, part in enumerate(packed[module_name]):
-                targets[f"{prefix}{part}.{leaf}"] = _Target(param_name, index)
+                targets[rename(f"{prefix}{part}.{leaf}")] = _Target(param_name, index)
         else:
-            targets[param_name] = _Target(param_name, None)
+            targets[rename(param_name)] = _Target(param_name, None)
     return targets
+
+
+def _same_name(name: str) -> str:
+    return name
 
 
 def _missing_error(model_dir: Path, missing: list[str]) -> ValueError:
@@ -101,6 +111,16 @@ def _destination(model: nn.Module, target: _Target) -> torch.Tensor:
 
 
 def _copy_tensor(model: nn.Module, name: str, target: _Target, tensor: torch.Tensor) -> None:
+    owner = target.param_name.rpartition(".")[0]
+    load = getattr(model.get_submodule(owner) if owner else model, "load_checkpoint_tensor",
+                   None)
+    if load is not None:  # a tensor-parallel layer copies its own shard of the tensor
+        try:
+            load(model.get_parameter(target.param_name).data, target.shard_index, tensor)
+        except RuntimeError as e:
+            raise ValueError(f"checkpoint tensor {name} of shape {tuple(tensor.shape)} does "
+                             f"not fit this rank's shard: {e}") from e
+        return
     dest = _destination(model, target)
     if tuple(dest.shape) != tuple(tensor.shape):
         raise ValueError(
@@ -140,13 +160,31 @@ def load_model(
     dtype: torch.dtype,
     attn_backend: AttentionBackend,
     device: torch.device,
+    stage: PipelineStage | None = None,
 ) -> nn.Module:
-    """Builds the checkpoint's model class on `device` in `dtype` and loads its weights."""
+    """Builds the checkpoint's model class on `device` in `dtype` and loads its weights;
+    with `stage`, only that pipeline stage's part of the model (and of the weights)."""
     model_dir = Path(model_dir)
     config = ModelArchConfig.from_pretrained(model_dir)
     model_class = get_model_class(config.architecture)
+    if stage is not None and stage.num_stages > 1:
+        check_pipeline_support(config, stage.num_stages)
     with torch.device(device):
-        model = model_class(config, attn_backend, dtype)
+        if stage is None:
+            model = model_class(config, attn_backend, dtype)
+        else:
+            model = model_class(config, attn_backend, dtype, stage)
     load_weights(model, model_dir)
     prepack_linear_weights(model)
     return model.eval()
+
+
+def check_pipeline_support(config: ModelArchConfig, pp_size: int) -> None:
+    """ValueError unless the checkpoint's model can be split into `pp_size` stages."""
+    if pp_size == 1:
+        return
+    model_class = get_model_class(config.architecture)
+    if not getattr(model_class, "supports_pipeline_parallel", False):
+        kind = "an encoder-decoder model" if config.is_encoder_decoder else "this model"
+        raise ValueError(f"{config.architecture} is {kind} without pipeline parallelism: "
+                         f"pipeline_parallel_size must be 1, got {pp_size}")

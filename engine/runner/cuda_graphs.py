@@ -111,7 +111,10 @@ class DecodeGraphs:
                        if self.is_cuda else self.host)
         self._copied: torch.cuda.Event | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # (size, vocab_size), each graph's output
+        # (largest size, vocab_size) float32: every graph writes its logits here. Outside
+        # the graphs' pool, so what one graph allocates is free for the others (kept per
+        # graph, the outputs alone would hold the sum of all sizes' logits).
+        self.logits: torch.Tensor | None = None
         self._forward: tuple[ForwardFn, LogitsFn, list[KVCacheView]] | None = None
 
     # ------------------------------------------------------------------ sizes and inputs
@@ -187,7 +190,8 @@ class DecodeGraphs:
                 raise RuntimeError(f"no CUDA graph of size {size} was captured")
             return self._compute(size)[:num_reqs]
         graph.replay()
-        return self.logits[size][:num_reqs]
+        assert self.logits is not None
+        return self.logits[:num_reqs]
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -204,11 +208,15 @@ class DecodeGraphs:
         empty = _empty_prepared()
         for size in reversed(self.sizes):
             self.stage(empty, size)
-            self._compute(size)  # compiles the kernels and picks the GEMMs outside capture
+            logits = self._compute(size)  # compiles kernels, picks GEMMs outside capture
+            if self.logits is None:
+                self.logits = torch.empty((self.max_size, logits.shape[1]),
+                                          dtype=logits.dtype, device=device)
+            del logits
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._compute(size)
+                self.logits[:size].copy_(self._compute(size))
             self.graphs[size] = graph
         torch.cuda.synchronize(device)
         used = free_before - torch.cuda.mem_get_info(device)[0]

@@ -137,7 +137,9 @@ def run_profile_step(
     """The largest step: `num_tokens` through the model, then `max_num_seqs` rows of logits
     through the sampler with every filter on. Random token ids; the temporary cache it
     writes is freed on return. An encoder-decoder model first runs its largest encoder
-    pass, and its decoder's cross-attention reads as many keys as its self-attention."""
+    pass, and its decoder's cross-attention reads as many keys as its self-attention. A
+    pipeline stage runs its own layers (on random inputs after the first stage) and only
+    the last one computes logits and samples."""
     metadata, positions, num_blocks = profile_batch(num_tokens, max_model_len, block_size, device)
     # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]
     cache = torch.empty((num_blocks, *kv_cache_shape[1:]), dtype=dtype, device=device)
@@ -146,7 +148,16 @@ def run_profile_step(
         run_encoder_profile(model, encoder, vocab_size, views, block_size, dtype, device)
         metadata.cross = replace(metadata, attn_type=AttentionType.CROSS)
     input_ids = torch.randint(0, vocab_size, (num_tokens,), device=device)
-    hidden = model(input_ids, positions, views, metadata)
+    stage = getattr(model, "stage", None)
+    if stage is None or stage.is_first:
+        hidden = model(input_ids, positions, views, metadata)
+    else:  # a later pipeline stage reads the previous one's hidden states and residual
+        shape = (num_tokens, model.config.hidden_size)
+        received = (torch.randn(shape, dtype=dtype, device=device),
+                    torch.randn(shape, dtype=dtype, device=device))
+        hidden = model(None, positions, views, metadata, intermediate=received)
+    if isinstance(hidden, tuple):
+        return  # a stage before the last: the next stage computes the logits
     num_rows = min(max_num_seqs, num_tokens)
     logits = model.compute_logits(hidden[:num_rows])  # (num_rows, vocab_size)
     params = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, logprobs=5,

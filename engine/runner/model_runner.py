@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +23,7 @@ from kvferry.engine.core.scheduler_output import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from kvferry.engine.executor.partition import PipelineStage
 from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.models.encoder_decoder import EncoderBatch
 from kvferry.engine.models.loader import load_model
@@ -42,6 +44,7 @@ from kvferry.engine.runner.prepare_inputs import InputBuffers, PreparedInputs, p
 from kvferry.engine.runner.step_staging import StepStaging, StepTensors
 from kvferry.engine.sample.metadata import SamplingMetadata
 from kvferry.engine.sample.sampler import Sampler, SamplerOutput
+from kvferry.engine.sample.uploads import PinnedUploads
 from kvferry.kvtransfer.memory import allocate_kv_cache
 
 if TYPE_CHECKING:
@@ -55,10 +58,13 @@ _req_id = attrgetter("req_id")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
-def kv_cache_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block: every layer's keys and values for `block_size` tokens."""
+def kv_cache_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype,
+                         num_layers: int | None = None) -> int:
+    """Bytes of one block: every layer's keys and values for `block_size` tokens (of
+    `num_layers` layers, a pipeline stage's; default all of them)."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_size * element_size
+    layers = arch.num_layers if num_layers is None else num_layers
+    return layers * 2 * block_size * arch.num_kv_heads * arch.head_size * element_size
 
 
 def determine_num_blocks(
@@ -66,13 +72,20 @@ def determine_num_blocks(
 ) -> int:
     """Blocks (the null block included) that fit the memory budget: `gpu_budget` bytes (what
     profiling left on a GPU), else the configured CPU budget."""
+    return num_blocks_in_budget(kv_cache_block_bytes(arch, cache.block_size, dtype), cache,
+                                gpu_budget)
+
+
+def num_blocks_in_budget(block_bytes: int, cache: CacheConfig, gpu_budget: int | None) -> int:
+    """Blocks of `block_bytes` each (the null block included) in `gpu_budget` bytes, else in
+    the configured CPU budget; `num_gpu_blocks_override` when set."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
     if gpu_budget is not None:
         budget = gpu_budget
     else:
         budget = cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
-    num_blocks = max(0, budget) // kv_cache_block_bytes(arch, cache.block_size, dtype)
+    num_blocks = max(0, budget) // block_bytes
     if num_blocks < 2:
         raise ValueError(
             f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of "
@@ -97,8 +110,13 @@ class ModelRunner:
         max_num_batched_tokens: int,
         attention_backend: str = "auto",
         transfer_memory: bool = False,
+        stage: PipelineStage | None = None,
     ) -> None:
         self.arch = arch
+        # The pipeline stage this runner computes (pipeline parallelism, stage_runner.py);
+        # None: the whole model. The KV cache holds the stage's layers only.
+        self.stage = stage
+        self.num_layers = arch.num_layers if stage is None else stage.num_layers
         # The cache is registered with NIXL: allocate it where pulls read it fast.
         self._transfer_memory = transfer_memory
         self.device = device
@@ -106,7 +124,7 @@ class ModelRunner:
         if device.type == "cpu":
             keep_activation_memory()
         self.attn_backend = get_attention_backend(attention_backend, device)
-        self.model = load_model(model_dir, dtype, self.attn_backend, device)
+        self.model = load_model(model_dir, dtype, self.attn_backend, device, stage)
         self.dtype = dtype
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -121,6 +139,8 @@ class ModelRunner:
         self.buffers = InputBuffers.allocate(max_num_batched_tokens, max_num_reqs)
         self.staging = StepStaging(max_num_batched_tokens, max_num_reqs, device)
         self.sampler = Sampler()
+        # Pinned host buffers of the sampling metadata's one copy per dtype (a GPU).
+        self._sampling_uploads = PinnedUploads() if device.type == "cuda" else None
         # Decode-only steps through CUDA graphs (cuda_graphs.py); None: every step eager.
         self.graphs: DecodeGraphs | None = None
         # Async scheduling: sampled tokens still on the device (async_output.py).
@@ -138,7 +158,8 @@ class ModelRunner:
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         # Blocks outermost, so one block is one contiguous region across all layers.
         arch = self.arch
-        return (num_blocks, arch.num_layers, 2, self.block_size, arch.num_kv_heads, arch.head_size)
+        return (num_blocks, self.num_layers, 2, self.block_size, arch.num_kv_heads,
+                arch.head_size)
 
     def measure_kv_cache_budget(self, utilization: float, max_num_seqs: int,
                                 max_num_encoder_tokens: int = 0,
@@ -192,13 +213,12 @@ class ModelRunner:
     def _allocate_kv_cache(
         self, num_blocks: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, list[KVCacheView]]:
-        arch = self.arch
         shape = self.kv_cache_shape(num_blocks)
         if self._transfer_memory:
             kv_cache = allocate_kv_cache(shape, dtype, self.device)
         else:
             kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        views = [(kv_cache[:, i, 0], kv_cache[:, i, 1]) for i in range(arch.num_layers)]
+        views = [(kv_cache[:, i, 0], kv_cache[:, i, 1]) for i in range(self.num_layers)]
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), shape %s",
             num_blocks, self.block_size, kv_cache.numel() * kv_cache.element_size() / 2**20,
@@ -281,13 +301,9 @@ class ModelRunner:
             self.pending.fill_inputs(staged.input_ids, prepared.input_ids,
                                      prepared.query_start_loc)
         metadata = self._attention_metadata(prepared, staged)
-        embeds_rows = batch.prompt_embeds_rows(len(req_ids))
-        if embeds_rows.size:
-            inputs_embeds = self._inputs_embeds(staged.input_ids, prepared, num_scheduled,
-                                                embeds_rows)
-            hidden = self.model(None, staged.positions, self.kv_caches, metadata, inputs_embeds)
-        else:  # the plain token path, unchanged for steps without a prompt of embeddings
-            hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, metadata)
+        hidden = self._run_model(staged, prepared, num_scheduled, metadata)
+        if hidden is None:  # a pipeline stage before the last: the next stage samples
+            return ForwardPass(scheduler_output)
         forward = ForwardPass(scheduler_output,
                               prompt_logprobs=self._prompt_logprobs(hidden, prepared,
                                                                     num_scheduled))
@@ -296,6 +312,18 @@ class ModelRunner:
             forward.logits = self.model.compute_logits(hidden[staged.logits_indices])
             forward.states = list(map(batch.states.__getitem__, forward.rows))
         return forward
+
+    def _run_model(self, staged: StepTensors, prepared: PreparedInputs,
+                   num_scheduled: np.ndarray, metadata: AttentionMetadata) -> torch.Tensor | None:
+        """The model over the step's tokens: hidden states (num_tokens, hidden_size), or
+        None where another pipeline stage goes on from here (stage_runner.py)."""
+        embeds_rows = self.input_batch.prompt_embeds_rows(len(num_scheduled))
+        if embeds_rows.size:
+            inputs_embeds = self._inputs_embeds(staged.input_ids, prepared, num_scheduled,
+                                                embeds_rows)
+            return self.model(None, staged.positions, self.kv_caches, metadata, inputs_embeds)
+        # The plain token path, unchanged for steps without a prompt of embeddings.
+        return self.model(staged.input_ids, staged.positions, self.kv_caches, metadata)
 
     def _graph_size(self, prepared: PreparedInputs) -> int | None:
         """The graph a step replays: its padded size, or None to run it eagerly (no graphs,
@@ -501,7 +529,7 @@ class ModelRunner:
             self.requests.pop(req_id, None)
             self._scoring_prompts.discard(req_id)
 
-    def release_prompt_embeds(self, req_ids: set[str]) -> None:
+    def release_prompt_embeds(self, req_ids: Iterable[str]) -> None:
         """Drops the embeddings held for finished requests before their rows go (the next
         step removes those); a finished row is never scheduled, so nothing reads them."""
         for req_id in req_ids:
@@ -575,6 +603,7 @@ class ModelRunner:
             device=self.device,
             grammar_bitmask=(None if grammar_bitmask is None
                              else _grammar_rows(states, grammar_bitmask)),
+            pinned=self._sampling_uploads,
         )
 
     def _record_samples(self, rows: list[int], states: list[CachedRequestState],

@@ -3,7 +3,8 @@
 Row `i` of the logits is the `i`-th request being sampled this step. The runner builds a
 `SamplingMetadata` once per step with `SamplingMetadata.build`; every per-row value is a
 tensor on the logits' device, and every filter that no row uses is `None`, so a batch of
-plain greedy or plain random requests skips that work entirely.
+plain greedy or plain random requests skips that work entirely. The per-row arrays are
+built on the host and reach the device together, one copy per dtype (uploads.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from kvferry.engine.sample.seeded_noise import as_int64_seed
+from kvferry.engine.sample.uploads import PinnedUploads, upload
 from kvferry.engine.sampling_params import SamplingParams
 
 
@@ -89,6 +91,7 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device,
         grammar_bitmask: tuple[list[int], torch.Tensor] | None = None,
+        pinned: PinnedUploads | None = None,
     ) -> SamplingMetadata:
         """Build the metadata for rows `0..len(params)-1`.
 
@@ -96,7 +99,8 @@ class SamplingMetadata:
         when a penalty needs them; a seeded row's output length is also its noise counter);
         `stop_token_ids_to_block` maps a row to the token ids (EOS
         and stop_token_ids) it must not sample yet because min_tokens is not reached;
-        `grammar_bitmask` is (rows, their bitmask rows on the CPU) of rows under a grammar.
+        `grammar_bitmask` is (rows, their bitmask rows on the CPU) of rows under a grammar;
+        `pinned`: the runner's pinned host buffers for the copy to a GPU.
         """
         num_rows = len(params)
         _check_row_lists(num_rows, output_token_ids, prompt_token_ids)
@@ -105,7 +109,6 @@ class SamplingMetadata:
         all_greedy = all(greedy)
         all_random = not any(greedy)
         logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
-        blocked_rows, blocked_ids = _blocked_pairs(stop_token_ids_to_block, vocab_size, device)
         metadata = cls(
             num_rows=num_rows,
             vocab_size=vocab_size,
@@ -127,29 +130,36 @@ class SamplingMetadata:
             repetition_penalties=None,
             prompt_token_ids=None,
             output_token_ids=None,
-            blocked_rows=blocked_rows,
-            blocked_token_ids=blocked_ids,
+            blocked_rows=None,
+            blocked_token_ids=None,
         )
+        # Field name -> host array, moved to the device together at the end.
+        arrays: dict[str, np.ndarray] = {}
+        _blocked_pairs(stop_token_ids_to_block, vocab_size, arrays)
         if not all_greedy:
-            metadata._fill_random(params, greedy, device)
-            metadata._fill_seeds(params, greedy, output_token_ids, device)
+            metadata._fill_random(params, greedy, arrays)
+            metadata._fill_seeds(params, greedy, output_token_ids, arrays)
         if any(p.has_penalties for p in params):
-            metadata._fill_penalties(params, output_token_ids, prompt_token_ids, device)
+            metadata._fill_penalties(params, output_token_ids, prompt_token_ids, arrays)
         if any(p.has_token_constraints for p in params):
-            metadata._fill_token_constraints(params, device)
+            metadata._fill_token_constraints(params, arrays)
         if grammar_bitmask is not None:
-            metadata._fill_grammar(*grammar_bitmask, device)
+            metadata._fill_grammar(*grammar_bitmask, device, arrays)
+        for name, tensor in zip(arrays, upload(list(arrays.values()), device, pinned)):
+            setattr(metadata, name, tensor)
         return metadata
 
-    def _fill_grammar(self, rows: list[int], bitmask: torch.Tensor, device: torch.device) -> None:
+    def _fill_grammar(self, rows: list[int], bitmask: torch.Tensor, device: torch.device,
+                      arrays: dict[str, np.ndarray]) -> None:
         _check_row_keys("grammar rows", dict.fromkeys(rows), self.num_rows)
         if len(rows) != bitmask.shape[0]:
             raise ValueError(f"{len(rows)} grammar rows for {bitmask.shape[0]} bitmask rows")
         if rows != list(range(self.num_rows)):
-            self.grammar_rows = torch.tensor(rows, dtype=torch.int64).to(device)
+            arrays["grammar_rows"] = np.asarray(rows, dtype=np.int64)
         self.grammar_bitmask = bitmask.to(device, non_blocking=True)
 
-    def _fill_token_constraints(self, params: list[SamplingParams], device: torch.device) -> None:
+    def _fill_token_constraints(self, params: list[SamplingParams],
+                                arrays: dict[str, np.ndarray]) -> None:
         """logit_bias as flat (row, token, bias) triples; allowed_token_ids as row masks."""
         biased = [(row, p.logit_bias) for row, p in enumerate(params) if p.logit_bias]
         if biased:
@@ -160,9 +170,7 @@ class SamplingMetadata:
             values = np.fromiter((b for _, bias in biased for b in bias.values()),
                                  dtype=np.float32, count=len(rows))
             _check_token_ids("logit_bias", token_ids, self.vocab_size)
-            self.bias_rows = torch.from_numpy(rows).to(device)
-            self.bias_token_ids = torch.from_numpy(token_ids).to(device)
-            self.bias_values = torch.from_numpy(values).to(device)
+            arrays.update(bias_rows=rows, bias_token_ids=token_ids, bias_values=values)
         restricted = [(row, p.allowed_token_ids) for row, p in enumerate(params)
                       if p.allowed_token_ids is not None]
         if restricted:
@@ -172,63 +180,62 @@ class SamplingMetadata:
                 _check_token_ids("allowed_token_ids", token_ids, self.vocab_size)
                 mask[index, token_ids] = True
             rows = np.array([row for row, _ in restricted], dtype=np.int64)
-            self.allowed_rows = torch.from_numpy(rows).to(device)
-            self.allowed_mask = torch.from_numpy(mask).to(device)
+            arrays.update(allowed_rows=rows, allowed_mask=mask)
 
     def _fill_seeds(
         self, params: list[SamplingParams], greedy: list[bool],
-        output_token_ids: list[list[int]], device: torch.device,
+        output_token_ids: list[list[int]], arrays: dict[str, np.ndarray],
     ) -> None:
         rows = [i for i, (p, g) in enumerate(zip(params, greedy)) if p.seed is not None and not g]
         if not rows:
             return
         seeds = [as_int64_seed(params[i].seed) for i in rows]  # type: ignore[arg-type]
         steps = [len(output_token_ids[i]) for i in rows]
-        # One host-to-device copy for the three (rows, seeds, steps).
-        packed = torch.tensor([rows, seeds, steps], dtype=torch.int64).to(device)
-        self.seeded_rows, self.seeds, self.seed_steps = packed[0], packed[1], packed[2]
+        arrays.update(seeded_rows=np.asarray(rows, dtype=np.int64),
+                      seeds=np.asarray(seeds, dtype=np.int64),
+                      seed_steps=np.asarray(steps, dtype=np.int64))
 
     def _fill_random(
-        self, params: list[SamplingParams], greedy: list[bool], device: torch.device
+        self, params: list[SamplingParams], greedy: list[bool], arrays: dict[str, np.ndarray]
     ) -> None:
         """Temperature and the three filters; only called when some row samples randomly."""
         if not self.all_random:
-            self.is_greedy = torch.tensor(greedy, dtype=torch.bool, device=device)
+            arrays["is_greedy"] = np.asarray(greedy, dtype=np.bool_)
         # Greedy rows divide by 1.0: their result comes from the argmax, not these logits.
         temperatures = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
-        self.temperature = _float_tensor(temperatures, device)
+        arrays["temperature"] = _floats(temperatures)
         # Filters of greedy rows are switched off: they would only cost work.
         random_params = [p for p, g in zip(params, greedy) if not g]
         if any(p.top_p < 1.0 for p in random_params):
-            top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
-            self.top_p = _float_tensor(top_p, device)
+            arrays["top_p"] = _floats([1.0 if g else p.top_p for p, g in zip(params, greedy)])
         enabled_k = [min(p.top_k, self.vocab_size) for p in random_params if p.is_top_k_enabled]
         if enabled_k and min(enabled_k) < self.vocab_size:
             top_k = [
                 min(p.top_k, self.vocab_size) if p.is_top_k_enabled and not g else self.vocab_size
                 for p, g in zip(params, greedy)
             ]
-            self.top_k = torch.tensor(top_k, dtype=torch.int64, device=device)
+            arrays["top_k"] = np.asarray(top_k, dtype=np.int64)
             self.max_top_k = max(k for k in enabled_k if k < self.vocab_size)
         if any(p.min_p > 0.0 for p in random_params):
-            min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
-            self.min_p = _float_tensor(min_p, device)
+            arrays["min_p"] = _floats([0.0 if g else p.min_p for p, g in zip(params, greedy)])
 
     def _fill_penalties(
         self,
         params: list[SamplingParams],
         output_token_ids: list[list[int]],
         prompt_token_ids: list[list[int]],
-        device: torch.device,
+        arrays: dict[str, np.ndarray],
     ) -> None:
         """Penalty values and the padded token tensors they read."""
         self.no_penalties = False
-        self.presence_penalties = _float_tensor([p.presence_penalty for p in params], device)
-        self.frequency_penalties = _float_tensor([p.frequency_penalty for p in params], device)
-        self.repetition_penalties = _float_tensor([p.repetition_penalty for p in params], device)
-        self.output_token_ids = _pad_token_ids(output_token_ids, self.vocab_size, device)
+        arrays.update(
+            presence_penalties=_floats([p.presence_penalty for p in params]),
+            frequency_penalties=_floats([p.frequency_penalty for p in params]),
+            repetition_penalties=_floats([p.repetition_penalty for p in params]),
+            output_token_ids=_pad_token_ids(output_token_ids, self.vocab_size),
+        )
         if any(p.repetition_penalty != 1.0 for p in params):
-            self.prompt_token_ids = _pad_token_ids(prompt_token_ids, self.vocab_size, device)
+            arrays["prompt_token_ids"] = _pad_token_ids(prompt_token_ids, self.vocab_size)
 
 
 def _check_row_lists(
@@ -250,11 +257,11 @@ def _check_row_keys(name: str, mapping: dict[int, object], num_rows: int) -> Non
             raise ValueError(f"{name} has row {row}, but rows must be in [0, {num_rows})")
 
 
-def _float_tensor(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)
+def _floats(values: list[float]) -> np.ndarray:
+    return np.asarray(values, dtype=np.float32)
 
 
-def _pad_token_ids(rows: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
+def _pad_token_ids(rows: list[list[int]], pad_id: int) -> np.ndarray:
     """(num_rows, max_len) int64, each row's ids followed by `pad_id`.
 
     The pad id is vocab_size: scattering into a vocab_size + 1 wide table and dropping the
@@ -264,7 +271,7 @@ def _pad_token_ids(rows: list[list[int]], pad_id: int, device: torch.device) -> 
     table = np.full((len(rows), max_len), pad_id, dtype=np.int64)
     for row, ids in enumerate(rows):
         table[row, : len(ids)] = ids
-    return torch.from_numpy(table).to(device)
+    return table
 
 
 def _check_token_ids(name: str, token_ids: np.ndarray, vocab_size: int) -> None:
@@ -274,12 +281,13 @@ def _check_token_ids(name: str, token_ids: np.ndarray, vocab_size: int) -> None:
 
 
 def _blocked_pairs(
-    stop_token_ids_to_block: dict[int, list[int]], vocab_size: int, device: torch.device
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Flatten {row: [token ids]} into parallel (rows, token ids) index tensors."""
+    stop_token_ids_to_block: dict[int, list[int]], vocab_size: int,
+    arrays: dict[str, np.ndarray],
+) -> None:
+    """Flattens {row: [token ids]} into parallel (rows, token ids) index arrays."""
     items = [(row, ids) for row, ids in stop_token_ids_to_block.items() if ids]
     if not items:
-        return None, None
+        return
     counts = np.array([len(ids) for _, ids in items], dtype=np.int64)
     rows = np.repeat(np.array([row for row, _ in items], dtype=np.int64), counts)
     token_ids = np.concatenate([np.asarray(ids, dtype=np.int64) for _, ids in items])
@@ -288,4 +296,4 @@ def _blocked_pairs(
         raise ValueError(
             f"stop_token_ids_to_block has token id {bad}, but ids must be in [0, {vocab_size})"
         )
-    return torch.from_numpy(rows).to(device), torch.from_numpy(token_ids).to(device)
+    arrays.update(blocked_rows=rows, blocked_token_ids=token_ids)

@@ -12,8 +12,7 @@ A constrained request's life in the core:
 3. each step that samples it, `start_bitmask` (called right after scheduling) fills its row
    of the step's bitmask on a worker thread while the forward pass runs; the runner waits
    for it just before sampling, and the sampler sets the logits of disallowed tokens to
-   -inf (engine/sample/bitmask.py). With microbatches in flight each has a buffer of its
-   own: a pipeline's last stage samples microbatch k after k + 1's bitmask was filled;
+   -inf (engine/sample/bitmask.py);
 4. `accept_token` advances the matcher by the sampled token; when the grammar is complete
    (nothing more may follow) the request ends with finish_reason "stop".
 
@@ -88,24 +87,36 @@ class GrammarBitmask:
     _rows: Future[torch.Tensor]
 
     def result(self) -> torch.Tensor:
-        """(len(req_ids), num_words) int32 on the CPU; waits for the fill to end."""
+        """(len(req_ids), num_words) int32 on the CPU; waits for the fill to end. The rows
+        are valid until the next step's bitmask is started (they share one buffer)."""
         return self._rows.result()
+
+    def copy_when_filled(self) -> Future[torch.Tensor]:
+        """A copy of the rows taken as soon as they are filled, on the filling thread,
+        before the next step's fill reuses the buffer: for an executor that samples after
+        later steps were started (a pipeline's last stage). Call it before the next step's
+        bitmask is started."""
+        copied: Future[torch.Tensor] = Future()
+
+        def copy(filled: Future[torch.Tensor]) -> None:
+            try:
+                copied.set_result(filled.result().clone())
+            except Exception as exc:  # noqa: BLE001 - the fill's failure travels in the copy
+                copied.set_exception(exc)
+
+        self._rows.add_done_callback(copy)
+        return copied
 
 
 class StructuredOutputManager:
     """Grammars of the core's constrained requests and the bitmask of each step."""
 
     def __init__(self, tokenizer_dir: Path, vocab_size: int, max_num_reqs: int,
-                 device: torch.device, num_buffers: int = 1) -> None:
-        """`num_buffers`: steps that may hold a bitmask at once (the microbatches in
-        flight); each fill takes the next buffer in turn."""
-        if num_buffers < 1:
-            raise ValueError(f"num_buffers must be >= 1, got {num_buffers}")
+                 device: torch.device) -> None:
         self.tokenizer_dir = Path(tokenizer_dir)
         self.vocab_size = vocab_size
         self.max_num_reqs = max_num_reqs
         self.device = device
-        self.num_buffers = num_buffers
         # Unfinished requests that hold a grammar (compiling or started), by id.
         self.requests: dict[str, Request] = {}
         # Steps that built a bitmask, and the rows they filled (cumulative).
@@ -117,9 +128,7 @@ class StructuredOutputManager:
         self._compilers: dict[tuple[int, ...], GrammarCompiler] = {}
         self._compiler_lock = threading.Lock()
         self._executor: llguidance.LLExecutor | None = None
-        # (max_num_reqs, words) int32 buffers, made with the first bitmask; the next to fill.
-        self._bitmasks: list[torch.Tensor] = []
-        self._next_buffer = 0
+        self._bitmask: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:
@@ -186,21 +195,16 @@ class StructuredOutputManager:
                 vocab = max(c.mask_vocab_size for c in self._compilers.values())
             words = num_bitmask_words(vocab)
             # Pinned on a GPU machine: the runner's copy to the device does not wait for it.
-            self._bitmasks = [torch.zeros((self.max_num_reqs, words), dtype=torch.int32,
-                                          pin_memory=self.device.type == "cuda")
-                              for _ in range(self.num_buffers)]
-        # A buffer is filled again `num_buffers` fills later: by then the step that read
-        # it has been updated (no more than that many steps are in flight).
-        buffer = self._bitmasks[self._next_buffer]
-        self._next_buffer = (self._next_buffer + 1) % self.num_buffers
+            self._bitmask = torch.zeros((self.max_num_reqs, words), dtype=torch.int32,
+                                        pin_memory=self.device.type == "cuda")
         matchers = [self.requests[r].grammar.matcher for r in req_ids]  # type: ignore[union-attr]
         self.num_bitmasks += 1
         self.num_bitmask_rows += len(matchers)
-        return GrammarBitmask(list(req_ids), self._fill_pool.submit(self._fill, matchers, buffer))
+        return GrammarBitmask(list(req_ids), self._fill_pool.submit(self._fill, matchers))
 
-    def _fill(self, matchers: list[llguidance.LLMatcher], buffer: torch.Tensor) -> torch.Tensor:
-        assert self._executor is not None
-        return fill_bitmask(self._executor, matchers, buffer)
+    def _fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+        assert self._bitmask is not None and self._executor is not None
+        return fill_bitmask(self._executor, matchers, self._bitmask)
 
     def accept_token(self, request: Request, token_id: int) -> str | None:
         """Advances the request's matcher by its sampled token.

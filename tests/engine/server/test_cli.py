@@ -130,6 +130,23 @@ def test_every_role_runs() -> None:
     assert "--max-num-waiting" in check_supported(parse_serve([*base, "--max-num-waiting", "0"]))
 
 
+def test_pipeline_parallelism_runs_and_tensor_parallelism_is_refused() -> None:
+    base = ["kvferry", "serve", "--model", "demo"]
+    args = parse_serve([*base, "--pipeline-parallel-size", "2"])
+    assert check_supported(args) is None
+    assert engine_config_from_args(args).parallel.pipeline_parallel_size == 2
+    assert check_supported(parse_serve([*base, "--tensor-parallel-size", "2"])) == (
+        "tensor parallelism is not available yet; --tensor-parallel-size must be 1, got 2")
+    assert check_supported(parse_serve([*base, "--pipeline-parallel-size", "0"])) == (
+        "--pipeline-parallel-size must be >= 1, got 0")
+    refused = check_supported(parse_serve([*base, "--pipeline-parallel-size", "2",
+                                           "--role", "decode"]))
+    assert refused is not None and "--role both only" in refused
+    refused = check_supported(parse_serve([*base, "--pipeline-parallel-size", "2",
+                                           "--async-scheduling"]))
+    assert refused is not None and "--async-scheduling" in refused
+
+
 @pytest.mark.parametrize(("env", "message"), [
     ({"KVFERRY_MODEL_TYPE": "seq2seq"}, "KVFERRY_MODEL_TYPE"),
     ({"KVFERRY_NIXL_PORT": "port"}, "KVFERRY_NIXL_PORT must be an integer"),

@@ -17,12 +17,14 @@ computes at submit; it asserts at every submit what must hold whatever the sched
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from kvferry.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvferry.engine.executor.base import Executor, InProcessExecutor
 from kvferry.engine.executor.simulated import SimulatedPipeline
+from kvferry.engine.structured_output.manager import GrammarBitmask
 
 if TYPE_CHECKING:
     from kvferry.engine.core.engine_core import EngineCore
@@ -158,9 +160,11 @@ def install_recorder(core: EngineCore, num_stages: int, stage_seconds: float = 0
 class LatePipeline(Executor):
     """A pipeline of `num_stages` whose steps are computed when their stages would compute
     them, not at submit: on one worker thread, in submit order, each after a wait of
-    `stage_seconds` per stage. What a step reads from the engine's state (its grammar
-    bitmask, a prompt's embeddings) must then still hold while later microbatches are
-    scheduled, as with the stages of a real pipeline."""
+    `stage_seconds` per stage. It keeps the executor contract a real pipeline keeps
+    (engine/executor/pipeline.py): a step's grammar bitmask is copied once filled (the
+    next step's fill reuses the buffer), and what is not a step (a failed step's
+    recovery, prompt embeddings let go) reaches the runner after the steps submitted
+    before it."""
 
     def __init__(self, inner: Executor, num_stages: int, stage_seconds: float) -> None:
         self.inner = inner
@@ -169,12 +173,22 @@ class LatePipeline(Executor):
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="late-pipeline")
 
     def submit(self, scheduler_output: SchedulerOutput,
-               grammar_bitmask: Any = None) -> Future[ModelRunnerOutput]:
+               grammar_bitmask: GrammarBitmask | None = None) -> Future[ModelRunnerOutput]:
+        if grammar_bitmask is not None:
+            grammar_bitmask = GrammarBitmask(grammar_bitmask.req_ids,
+                                             grammar_bitmask.copy_when_filled())
+
         def compute() -> ModelRunnerOutput:
             time.sleep(self.delay)
             return self.inner.submit(scheduler_output, grammar_bitmask).result()
 
         return self._worker.submit(compute)
+
+    def recover_from_failed_step(self, failed_req_ids: list[str]) -> None:
+        self._worker.submit(self.inner.recover_from_failed_step, failed_req_ids)
+
+    def release_prompt_embeds(self, req_ids: Iterable[str]) -> None:
+        self._worker.submit(self.inner.release_prompt_embeds, list(req_ids))
 
     def shutdown(self) -> None:
         self._worker.shutdown(wait=True)
