@@ -32,7 +32,9 @@ class Executor(ABC):
     def submit(self, scheduler_output: SchedulerOutput,
                grammar_bitmask: GrammarBitmask | None = None) -> Future[ModelRunnerOutput]:
         """Starts the step; its future resolves to the step's output, or to the exception
-        that failed it. Steps complete in the order they were submitted."""
+        that failed it. Steps complete in the order they were submitted. The core fills
+        the next step's `grammar_bitmask` into the same buffer: an executor that samples
+        after later steps were submitted keeps `grammar_bitmask.copy_when_filled()`."""
 
     def shutdown(self) -> None:
         """Stops whatever the executor started (processes, threads)."""
@@ -41,6 +43,9 @@ class Executor(ABC):
         """Seconds each stage has spent computing steps so far (empty: not measured)."""
         return []
 
+    # What is not a step takes effect after the steps submitted before it, as if it came
+    # with the next one: microbatches in flight may still compute a failed step's
+    # requests, or a prompt of embeddings its request was aborted during.
     def recover_from_failed_step(self, failed_req_ids: list[str]) -> None:
         """After a step failed: its requests are gone and every batch row is dropped (the
         others are rebuilt when next scheduled), as `ModelRunner.recover_from_failed_step`."""

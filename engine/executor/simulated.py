@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -88,6 +89,18 @@ class SimulatedPipeline(Executor):
 
     def stage_busy_seconds(self) -> list[float]:
         return list(self.busy_seconds)
+
+    # The inner executor computed every step submitted so far: what is not a step reaches
+    # it after them, as the executor contract asks.
+    def recover_from_failed_step(self, failed_req_ids: list[str]) -> None:
+        self.inner.recover_from_failed_step(failed_req_ids)
+
+    def release_prompt_embeds(self, req_ids: Iterable[str]) -> None:
+        self.inner.release_prompt_embeds(req_ids)
+
+    @property
+    def fatal_error(self) -> Exception | None:
+        return self.inner.fatal_error
 
     def shutdown(self) -> None:
         for timer in self._timers:

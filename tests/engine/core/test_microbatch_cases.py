@@ -29,7 +29,12 @@ from kvferry.engine.executor.base import Executor, InProcessExecutor
 from kvferry.engine.frontend.llm_engine import LLMEngine
 from kvferry.engine.frontend.outputs import RequestOutput
 from kvferry.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from kvferry_testing.microbatches import LatePipeline, Recorder, install_recorder
+from kvferry_testing.microbatches import (
+    ExecutorWrapper,
+    LatePipeline,
+    Recorder,
+    install_recorder,
+)
 
 BLOCK_SIZE = 4
 EOS = 2
@@ -448,11 +453,11 @@ def test_an_encoder_decoder_model_equals_the_synchronous_loop(
 
 
 # ---------------------------------------------------------------------- failures
-class FailOne(Executor):
+class FailOne(ExecutorWrapper):
     """Runs every step on `inner`, but the future of the first step `doomed` picks raises."""
 
     def __init__(self, inner: Executor, doomed: Callable[[SchedulerOutput], bool]) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.doomed = doomed
         self.failed: SchedulerOutput | None = None
 
@@ -540,6 +545,42 @@ def test_a_failed_microbatch_spares_a_new_request_with_an_aborted_ones_id(
     assert len(outputs["other"].outputs[0].token_ids) == 12
 
 
+def test_a_simulated_pipeline_passes_recovery_and_released_embeds_on(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the engine tells its executor besides steps reaches the runner under a
+    simulated pipeline: a failed step's recovery, and the prompt embeddings of requests
+    that finished (on an idle engine no next step would drop them)."""
+    from kvferry_testing.embeds import embedding_table
+
+    engine, recorder = make_engine(checkpoint, 2, enable_prompt_embeds=True)
+    assert recorder is not None
+    runner = engine.runner
+    recovered: list[list[str]] = []
+    recover = runner.recover_from_failed_step
+
+    def recording_recover(failed_req_ids: list[str]) -> None:
+        recovered.append(list(failed_req_ids))
+        recover(failed_req_ids)
+
+    monkeypatch.setattr(runner, "recover_from_failed_step", recording_recover)
+    recorder.sampled.inner = FailOne(recorder.sampled.inner,
+                                     lambda so: "doomed" in so.num_scheduled_tokens)
+    table = embedding_table(checkpoint)
+    # The doomed prompt takes the first microbatch's whole budget of 16.
+    outputs = run(engine, [
+        ("doomed", tokens(5, 16), greedy(4, ignore_eos=True)),
+        ("embeds", {"prompt_embeds": table[list(range(10, 30))]}, greedy(3, ignore_eos=True)),
+    ])
+    assert outputs["doomed"].outputs[0].finish_reason == "error"
+    assert recovered == [["doomed"]]
+    assert outputs["embeds"].outputs[0].finish_reason == "length"
+    # The engine is idle; the runner still keeps the finished request's state (the next
+    # step would drop it), but not its embeddings.
+    assert runner.requests["embeds"].prompt_embeds is None
+    assert_idle(engine)
+
+
 # ---------------------------------------------------------------------- max_num_seqs
 def test_max_num_seqs_bounds_each_microbatch(checkpoint: Path) -> None:
     """P = 2 and max_num_seqs = 4: eight requests decode at once, four in each
@@ -563,13 +604,13 @@ def test_max_num_seqs_bounds_each_microbatch(checkpoint: Path) -> None:
         assert_same_output(outputs[req_id], want, req_id)
 
 
-class RaisesAtSubmit(Executor):
+class RaisesAtSubmit(ExecutorWrapper):
     """An executor whose `submit` itself raises (a transport that fails to send) for the
     first step with tokens that `doomed` picks; the others run on `inner`."""
 
     def __init__(self, inner: Executor, num_stages: int,
                  doomed: Callable[[SchedulerOutput], bool]) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.max_concurrent_batches = num_stages
         self.doomed = doomed
         self.failed: SchedulerOutput | None = None

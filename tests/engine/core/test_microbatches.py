@@ -21,7 +21,7 @@ from kvferry.engine.executor.base import Executor, InProcessExecutor
 from kvferry.engine.executor.simulated import FakeTokens, SimulatedPipeline
 from kvferry.engine.frontend.llm_engine import LLMEngine
 from kvferry.engine.sampling_params import SamplingParams
-from kvferry_testing.microbatches import Recorder
+from kvferry_testing.microbatches import ExecutorWrapper, Recorder
 
 BLOCK_SIZE = 4
 VOCAB = 256
@@ -135,9 +135,10 @@ def test_the_loop_keeps_the_stages_busy_and_the_order(checkpoint: Path) -> None:
 
 
 def test_a_failed_microbatch_ends_its_requests_and_the_loop_goes_on(checkpoint: Path) -> None:
-    class FailsOnce(Executor):
+    class FailsOnce(ExecutorWrapper):
         def __init__(self, inner: Executor) -> None:
-            self.inner, self.failed = inner, False
+            super().__init__(inner)
+            self.failed = False
 
         def submit(self, scheduler_output: SchedulerOutput,
                    grammar_bitmask: Any = None) -> Future[ModelRunnerOutput]:

@@ -30,12 +30,41 @@ if TYPE_CHECKING:
     from kvferry.engine.core.engine_core import EngineCore
 
 
-class SampledIds(Executor):
+class ExecutorWrapper(Executor):
+    """An executor over `inner`, to which it passes what is not a step as it comes (for
+    an `inner` that computes at submit, that is after the steps submitted before)."""
+
+    def __init__(self, inner: Executor) -> None:
+        self.inner = inner
+        self.max_concurrent_batches = inner.max_concurrent_batches
+
+    def submit(self, scheduler_output: SchedulerOutput,
+               grammar_bitmask: GrammarBitmask | None = None) -> Future[ModelRunnerOutput]:
+        return self.inner.submit(scheduler_output, grammar_bitmask)
+
+    def recover_from_failed_step(self, failed_req_ids: list[str]) -> None:
+        self.inner.recover_from_failed_step(failed_req_ids)
+
+    def release_prompt_embeds(self, req_ids: Iterable[str]) -> None:
+        self.inner.release_prompt_embeds(req_ids)
+
+    @property
+    def fatal_error(self) -> Exception | None:
+        return self.inner.fatal_error
+
+    def stage_busy_seconds(self) -> list[float]:
+        return self.inner.stage_busy_seconds()
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
+class SampledIds(ExecutorWrapper):
     """Wraps an executor that computes at submit; remembers who the last step sampled and
     (over the real runner) which KV blocks its tokens were written to."""
 
     def __init__(self, inner: Executor) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.last: set[str] = set()
         self.last_written_blocks: set[int] = set()
 
@@ -52,7 +81,7 @@ class SampledIds(Executor):
         return future
 
 
-class Recorder(Executor):
+class Recorder(ExecutorWrapper):
     """A simulated pipeline over `inner` that checks the loop's invariants at each submit
     (see the module docstring) and records each microbatch's requests.
 
@@ -62,8 +91,8 @@ class Recorder(Executor):
     def __init__(self, inner: Executor, num_stages: int, stage_seconds: float, *,
                  core: EngineCore | None = None, max_rows: int | None = None) -> None:
         self.sampled = SampledIds(inner)
-        self.pipeline = self.inner = SimulatedPipeline(self.sampled, num_stages, stage_seconds)
-        self.max_concurrent_batches = num_stages
+        self.pipeline = SimulatedPipeline(self.sampled, num_stages, stage_seconds)
+        super().__init__(self.pipeline)
         self.core = core
         self.max_rows = max_rows
         self.in_flight: list[tuple[SchedulerOutput, Future[ModelRunnerOutput], set[str]]] = []
@@ -143,10 +172,6 @@ class Recorder(Executor):
                 assert all(writer is not output for output, _ in pending), (
                     new.req_id, block_id, "a hit on a block whose step is in flight")
                 self.num_hit_blocks_checked += 1
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
-
 
 def install_recorder(core: EngineCore, num_stages: int, stage_seconds: float = 0.001,
                      max_rows: int | None = None) -> Recorder:
