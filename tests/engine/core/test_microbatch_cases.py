@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -843,3 +844,107 @@ def test_prompt_embeds_of_a_request_aborted_in_flight(checkpoint: Path) -> None:
     assert aborted and aborted[0].outputs[0].finish_reason == "abort"
     assert outputs["other"].outputs[0].finish_reason == "length", outputs["other"].outputs[0]
     assert outputs["other"].outputs[0].token_ids == expected
+
+
+# ---------------------------------------------------------------------- random workloads
+def random_requests(rng: random.Random, prefix: str) -> list[tuple[Request, int]]:
+    """A few requests with shared prefixes and every kind of sampling, with priorities."""
+    shared = [rng.randrange(3, 250) for _ in range(rng.choice([0, 8, 13]))]
+    out = []
+    for i in range(rng.randrange(3, 10)):
+        prompt = (shared if rng.random() < 0.5 else []) + [
+            rng.randrange(3, 250) for _ in range(rng.randrange(1, 30))]
+        max_tokens = rng.randrange(1, 15)
+        common: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": rng.random() < 0.7}
+        params = [
+            SamplingParams(temperature=0.0, **common),
+            SamplingParams(temperature=1.0, seed=i, **common),
+            SamplingParams(temperature=0.0, logprobs=2, prompt_logprobs=1, **common),
+            SamplingParams(n=rng.randrange(2, 4), temperature=0.9, seed=i, **common),
+            SamplingParams(temperature=0.0, min_tokens=rng.randrange(min(3, max_tokens + 1)),
+                           stop_token_ids=[rng.randrange(3, 250) for _ in range(20)],
+                           **common),
+            SamplingParams(temperature=0.0, repetition_penalty=1.2, **common),
+        ][rng.randrange(6)]
+        out.append(((f"{prefix}{i}", {"prompt_token_ids": prompt}, params),
+                    rng.randrange(3)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_workloads_equal_the_synchronous_loop(checkpoint: Path, seed: int) -> None:
+    """Random requests, engine shapes (2 to 4 microbatches, computed at submit or late,
+    FCFS or priority, few blocks or many, prefix caching on or off), aborts in flight
+    with the id taken again at once, and a failed microbatch now and then: what is not
+    aborted or failed equals the synchronous loop's, what is keeps a prefix of it."""
+    rng = random.Random(seed)
+    batches, late = rng.choice([2, 3, 4]), rng.random() < 0.4
+    shape = {"num_blocks": rng.choice([13, 16, 24, 64]), "max_model_len": 48,
+             "max_num_batched_tokens": rng.choice([8, 16, 32]),
+             "max_num_seqs": rng.choice([2, 3, 8])}
+    policy = rng.choice(["fcfs", "priority"])
+    caching = rng.random() < 0.8
+    requests = random_requests(rng, "q")
+    newcomers = random_requests(rng, "new")[:2]
+    aborts = {req[0]: rng.randrange(12) for req, _ in rng.sample(requests, 2)}
+
+    def build(num: int) -> LLMEngine:
+        engine = LLMEngine(EngineConfig(
+            model=ModelConfig(model=str(checkpoint), max_model_len=48),
+            cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=shape["num_blocks"],
+                              enable_prefix_caching=caching),
+            scheduler=SchedulerConfig(max_num_seqs=shape["max_num_seqs"], policy=policy,
+                                      max_num_batched_tokens=shape["max_num_batched_tokens"],
+                                      max_concurrent_batches=num),
+            device="cpu"))
+        core = engine.engine_core
+        if num > 1:
+            inner = (LatePipeline(InProcessExecutor(core.runner), num, 0.0002) if late else
+                     Recorder(InProcessExecutor(core.runner), num, 0.0002, core=core,
+                              max_rows=shape["max_num_seqs"]))
+            core.executor = FailOne(inner, lambda so: rng.random() < 0.05)
+        return engine
+
+    def submit_all(engine: LLMEngine, reqs: list[tuple[Request, int]]) -> None:
+        for (req_id, prompt, params), priority in reqs:
+            engine.add_request(req_id, prompt, params, priority=priority)
+
+    reference_engine = build(1)
+    submit_all(reference_engine, requests + newcomers)
+    reference = run(reference_engine, [])
+    engine = build(batches)
+    submit_all(engine, requests)
+    aborted: dict[str, RequestOutput] = {}
+    taken_by: dict[str, str] = {}
+
+    def abort_and_take_ids(engine: LLMEngine, index: int, outputs: list[RequestOutput]) -> None:
+        for req_id, when in aborts.items():
+            if when == index and (ended := engine.abort_request(req_id)):
+                [aborted[req_id]] = ended
+                if len(taken_by) < len(newcomers):
+                    (name, prompt, params), priority = newcomers[len(taken_by)]
+                    engine.add_request(req_id, prompt, params, priority=priority)
+                    taken_by[req_id] = name
+
+    outputs = run(engine, [], abort_and_take_ids)
+    assert_idle(engine)
+    failing = engine.engine_core.executor
+    assert isinstance(failing, FailOne)
+    failed_ids = set() if failing.failed is None else set(failing.failed.num_scheduled_tokens)
+
+    def check(got: RequestOutput, want: RequestOutput, req_id: str, cut: bool) -> None:
+        """Equal, or (`cut` short: aborted, or in the failed microbatch) a prefix."""
+        if any(c.finish_reason == "error" for c in got.outputs):
+            assert any(r.split("\0")[0] == req_id for r in failed_ids), req_id
+            cut = True
+        if not cut:
+            assert_same_output(got, want, req_id, cached_tokens=False)
+            return
+        for got_c, want_c in zip(got.outputs, want.outputs, strict=True):
+            assert got_c.token_ids == want_c.token_ids[:len(got_c.token_ids)], req_id
+
+    for (req_id, _, _), _ in requests:
+        check(aborted.get(req_id, outputs[req_id]), reference[req_id], req_id,
+              req_id in aborted)
+        if req_id in taken_by:
+            check(outputs[req_id], reference[taken_by[req_id]], req_id, False)
