@@ -380,10 +380,12 @@ class EngineCore:
                 future = self.executor.submit(scheduler_output,
                                               self._start_bitmask(scheduler_output))
             except Exception as exc:  # noqa: BLE001 - as a step that raises when it runs
-                # Never sent (a stage that cannot be reached): it fails now, before a
-                # microbatch behind it carries its prompts on to a runner that never saw
-                # them.
-                outputs += self._fail_step(scheduler_output, exc)
+                future = Future()
+                future.set_exception(exc)
+            if future.done() and future.exception() is not None:
+                # Failed at submit (it could not be sent): it fails now, before a microbatch
+                # behind it carries its prompts on to stages that never saw them.
+                outputs += self._finish_microbatch(scheduler_output, future)
                 break
             if not scheduler_output.total_num_scheduled_tokens:
                 # Nothing to compute (it tells the runner who finished, or runs encoders

@@ -605,14 +605,16 @@ def test_max_num_seqs_bounds_each_microbatch(checkpoint: Path) -> None:
         assert_same_output(outputs[req_id], want, req_id)
 
 
-class RaisesAtSubmit(ExecutorWrapper):
-    """An executor whose `submit` itself raises (a transport that fails to send) for the
-    first step with tokens that `doomed` picks; the others run on `inner`."""
+class FailsAtSubmit(ExecutorWrapper):
+    """An executor that cannot send the first step with tokens that `doomed` picks (a
+    transport that fails, a step that cannot be serialized): its `submit` raises, or
+    (`how` "future") returns a future failed already; the others run on `inner`."""
 
-    def __init__(self, inner: Executor, num_stages: int,
+    def __init__(self, inner: Executor, num_stages: int, how: str,
                  doomed: Callable[[SchedulerOutput], bool]) -> None:
         super().__init__(inner)
         self.max_concurrent_batches = num_stages
+        self.how = how
         self.doomed = doomed
         self.failed: SchedulerOutput | None = None
 
@@ -621,14 +623,20 @@ class RaisesAtSubmit(ExecutorWrapper):
         if (self.failed is None and scheduler_output.total_num_scheduled_tokens
                 and self.doomed(scheduler_output)):
             self.failed = scheduler_output
-            raise ConnectionError("stage 1 is unreachable")
+            error = ConnectionError("stage 1 is unreachable")
+            if self.how == "raise":
+                raise error
+            failed: Future[ModelRunnerOutput] = Future()
+            failed.set_exception(error)
+            return failed
         return self.inner.submit(scheduler_output, grammar_bitmask)
 
 
-def test_a_submit_that_raises_fails_its_microbatch_only(checkpoint: Path) -> None:
-    """An executor's submit raises (instead of failing the future) with a microbatch in
-    flight: the step still returns, the requests of the unsent microbatch end with
-    "error", the others produce what they would, and the runner still hears of the
+@pytest.mark.parametrize("how", ["raise", "future"])
+def test_a_microbatch_that_cannot_be_sent_fails_alone(checkpoint: Path, how: str) -> None:
+    """A microbatch cannot be sent (its submit raises, or returns a failed future) with
+    another in flight: the step still returns, the requests of the unsent microbatch end
+    with "error", the others produce what they would, and the runner still hears of the
     requests that finished before (the unsent step was to tell it)."""
 
     def requests() -> list[Request]:
@@ -639,7 +647,7 @@ def test_a_submit_that_raises_fails_its_microbatch_only(checkpoint: Path) -> Non
     expected = run(expected_engine, requests())
     engine, recorder = make_engine(checkpoint, 2)
     assert recorder is not None
-    raising = RaisesAtSubmit(recorder, 2, lambda so: bool(so.finished_req_ids))
+    raising = FailsAtSubmit(recorder, 2, how, lambda so: bool(so.finished_req_ids))
     engine.engine_core.executor = raising
     outputs = run(engine, requests())
     assert_idle(engine)
@@ -653,10 +661,11 @@ def test_a_submit_that_raises_fails_its_microbatch_only(checkpoint: Path) -> Non
             assert_same_output(outputs[req_id], want, req_id)
 
 
-def test_nothing_continues_a_microbatch_whose_submit_raised(checkpoint: Path) -> None:
-    """The submit of the microbatch with a prompt's first chunk raises: it fails there and
-    then, so no microbatch behind it carries that prompt's next chunk (with another
-    request) to a runner that never saw the prompt."""
+@pytest.mark.parametrize("how", ["raise", "future"])
+def test_nothing_continues_a_microbatch_that_cannot_be_sent(checkpoint: Path, how: str) -> None:
+    """The microbatch with a prompt's first chunk cannot be sent: it fails there and then,
+    so no microbatch behind it carries that prompt's next chunk (with another request)
+    to a runner that never saw the prompt."""
 
     def requests() -> list[Request]:
         # Budget 16: the long prompt's first chunk, then its last four tokens and the
@@ -668,8 +677,8 @@ def test_nothing_continues_a_microbatch_whose_submit_raised(checkpoint: Path) ->
     expected = run(expected_engine, requests())
     engine, recorder = make_engine(checkpoint, 2)
     assert recorder is not None
-    raising = RaisesAtSubmit(
-        recorder, 2, lambda so: any(new.req_id == "long" for new in so.scheduled_new_reqs))
+    raising = FailsAtSubmit(
+        recorder, 2, how, lambda so: any(new.req_id == "long" for new in so.scheduled_new_reqs))
     engine.engine_core.executor = raising
     outputs = run(engine, requests())
     assert_idle(engine)
