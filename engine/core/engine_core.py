@@ -376,6 +376,7 @@ class EngineCore:
             if self.kv_connector is not None:
                 self.kv_connector.start_transfers()
             queue_times.update(self._queue_times(scheduler_output))
+            future: Future[ModelRunnerOutput]
             try:
                 future = self.executor.submit(scheduler_output,
                                               self._start_bitmask(scheduler_output))

@@ -215,9 +215,9 @@ class Scheduler:
             # been aborted and its id taken by a new request, which this failure spares.
             step_requests = self.in_flight.pop(scheduler_output).requests
             req_ids = [r for r in req_ids if self.requests.get(r) is step_requests.get(r)]
-        # The runner may never have taken the step in (an executor whose submit raised):
-        # the requests it told of as finished are told again with the next step, but for
-        # ids a new request has taken since.
+        # The runner may never have taken the step in (it could not be sent): the requests
+        # it told of as finished are told again with the next step, but for ids a new
+        # request has taken since.
         self.finished_req_ids.update(
             r for r in scheduler_output.finished_req_ids if r not in self.requests)
         return self.finish_requests(req_ids, RequestStatus.FINISHED_ERROR)
