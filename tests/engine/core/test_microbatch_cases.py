@@ -1,13 +1,16 @@
 """The microbatch loop (engine_core._step_microbatches) at its edges, through the real model
 runner in a simulated pipeline of P stages: aborts of requests in flight (and their ids
 taken again at once), stops, stop strings, min_tokens, n > 1, logprobs and prompt
-logprobs, structured outputs, preemption storms, prefix hits across microbatches, a
-microbatch that fails, max_num_seqs per microbatch, and P = 1 through the same loop.
+logprobs, structured outputs, preemption storms, prefix hits across microbatches, an
+encoder-decoder model, microbatches that fail (in the runner, in their future, at
+submit), max_num_seqs per microbatch, P = 1 through the same loop, and random workloads.
 
 Each test runs the same requests through the synchronous engine on the same random
 checkpoint and compares token for token; the `Recorder` (kvferry_testing.microbatches)
 checks at every submit that decodes are disjoint, rows fit the runner's batch and prefix
-hits were written by updated steps. Every block is back in the pool afterwards.
+hits were written by updated steps. Every block is back in the pool afterwards. Some
+tests also run a `LatePipeline`, which computes each step after later ones were
+scheduled, as a real pipeline's stages do (the simulated one computes at submit).
 """
 
 from __future__ import annotations
