@@ -4,8 +4,10 @@
 hands the result back only when a pipeline of `num_stages` stages, each busy `stage_seconds`
 per microbatch, would have finished it: microbatch k enters stage s once stage s is done
 with k - 1 and k has left stage s - 1. Timings are exact and the machine's own speed does
-not blur them (the work is done up front; the wait is a timer), so the loop's overlap is
-what the figures show. A step with nothing to compute (it only tells the runner which
+not blur them (the work is done up front; the wait is a sleep until the step's finish time
+when the engine first waits for it), so the loop's overlap is what the figures show. A
+step's future is never done before the engine waits for it, however slow the machine: a
+test's view of what is in flight does not hang on a thread being scheduled in time. A step with nothing to compute (it only tells the runner which
 requests finished) takes no stage time.
 
 `FakeTokens` stands in for a model where only the loop matters: it tracks each request's
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -46,7 +48,6 @@ class SimulatedPipeline(Executor):
         self.num_in_flight = 0
         self.max_in_flight = 0
         self._lock = threading.Lock()
-        self._timers: list[threading.Timer] = []
 
     def submit(self, scheduler_output: SchedulerOutput,
                grammar_bitmask: GrammarBitmask | None = None) -> Future[ModelRunnerOutput]:
@@ -55,17 +56,11 @@ class SimulatedPipeline(Executor):
                 or scheduler_output.scheduled_encoder_inputs):
             return done
         finish_at = self._occupy_stages(time.monotonic())
-        future: Future[ModelRunnerOutput] = Future()
         with self._lock:
             self.num_submitted += 1
             self.num_in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
-        timer = threading.Timer(max(0.0, finish_at - time.monotonic()), self._deliver,
-                                (done, future))
-        timer.daemon = True
-        self._timers = [t for t in self._timers if t.is_alive()] + [timer]
-        timer.start()
-        return future
+        return _Deferred(done, finish_at, self._delivered)
 
     def _occupy_stages(self, now: float) -> float:
         """Books the stages for one microbatch entering at `now`; returns when it leaves
@@ -78,14 +73,9 @@ class SimulatedPipeline(Executor):
             self.busy_seconds[stage] += self.stage_seconds
         return leaves
 
-    def _deliver(self, done: Future[ModelRunnerOutput], future: Future[ModelRunnerOutput]) -> None:
+    def _delivered(self) -> None:
         with self._lock:
             self.num_in_flight -= 1
-        error = done.exception()
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(done.result())
 
     def stage_busy_seconds(self) -> list[float]:
         return list(self.busy_seconds)
@@ -103,9 +93,38 @@ class SimulatedPipeline(Executor):
         return self.inner.fatal_error
 
     def shutdown(self) -> None:
-        for timer in self._timers:
-            timer.cancel()
         self.inner.shutdown()
+
+
+class _Deferred(Future[ModelRunnerOutput]):
+    """`source`'s outcome, handed over when first waited for and not before `ready_at`
+    (monotonic seconds); `done()` is False until then."""
+
+    def __init__(self, source: Future[ModelRunnerOutput], ready_at: float,
+                 on_delivery: Callable[[], None]) -> None:
+        super().__init__()
+        self._source = source
+        self._ready_at = ready_at
+        self._on_delivery = on_delivery
+
+    def _deliver(self) -> None:
+        if self.done():
+            return
+        time.sleep(max(0.0, self._ready_at - time.monotonic()))
+        error = self._source.exception()
+        if error is not None:
+            self.set_exception(error)
+        else:
+            self.set_result(self._source.result())
+        self._on_delivery()
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        self._deliver()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._deliver()
+        return super().exception(timeout)
 
 
 class FakeTokens(Executor):
