@@ -138,8 +138,15 @@ class PodRegistrar:
                 self._pending_events.append(events)
 
     def start(self) -> None:
-        """Starts the heartbeat on the running loop and the refresh thread."""
+        """Publishes the record once, then starts the heartbeat on the running loop and the
+        refresh thread. The first record is written here, before the pod says it is ready:
+        left to the thread, a loaded machine could let the router (or a probe) see a ready
+        pod with no record yet."""
         self._beat(asyncio.get_running_loop())
+        try:
+            self.publish()
+        except (OSError, RedisError) as exc:  # the thread keeps trying
+            self._redis_failed(exc)
         self._thread = threading.Thread(target=self._refresh_forever, daemon=True,
                                         name=f"kvferry-registry-{self.settings.pod}")
         self._thread.start()

@@ -56,6 +56,8 @@ class FakeCore:
     # Steps of transfer-only work left (blocks held for a pull): nothing to compute.
     num_transfer_steps: int = 0
     num_steps: int = 0
+    # What ended the engine for good (a pipeline stage died); never, here.
+    fatal_error: Exception | None = None
 
     def __post_init__(self) -> None:
         self.scheduler = FakeScheduler(self)
