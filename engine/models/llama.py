@@ -27,6 +27,13 @@ from kvferry.engine.layers.embedding import VocabEmbedding
 from kvferry.engine.layers.linear import Linear
 from kvferry.engine.layers.rmsnorm import RMSNorm
 from kvferry.engine.layers.rotary import RotaryEmbedding, apply_rotary_emb
+from kvferry.engine.layers.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    shard_heads,
+)
 from kvferry.engine.models.config import ModelArchConfig
 from torch import nn
 
@@ -47,22 +54,32 @@ class LlamaAttention(nn.Module):
         o_bias: bool,
         qk_norm: bool,
         dtype: torch.dtype,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_size = config.head_size
-        self.q_size = config.num_heads * config.head_size
-        self.kv_size = config.num_kv_heads * config.head_size
-        self.scale = config.head_size**-0.5
+        tp = tp or TensorParallel()
+        # The heads this rank holds (all of them without tensor parallelism).
+        heads = shard_heads(config.num_heads, config.num_kv_heads, tp)
+        self.num_heads = heads.num_heads
+        self.num_kv_heads = heads.num_kv_heads
+        self.head_size = head_size = config.head_size
+        self.q_size = heads.num_heads * head_size
+        self.kv_size = heads.num_kv_heads * head_size
+        self.scale = head_size**-0.5
         self.attn_backend = attn_backend
-        self.qkv_proj = Linear(
-            config.hidden_size,
-            [self.q_size, self.kv_size, self.kv_size],
-            bias=qkv_bias,
-            dtype=dtype,
-        )
-        self.o_proj = Linear(self.q_size, [config.hidden_size], bias=o_bias, dtype=dtype)
+        self.qkv_proj: Linear
+        self.o_proj: Linear
+        if tp.size == 1:
+            self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                                   bias=qkv_bias, dtype=dtype)
+            self.o_proj = Linear(self.q_size, [config.hidden_size], bias=o_bias, dtype=dtype)
+        else:
+            q_rows = (heads.first_head * head_size, self.q_size)
+            kv_rows = (heads.first_kv_head * head_size, self.kv_size)
+            self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_rows, kv_rows, kv_rows],
+                                                 bias=qkv_bias, dtype=dtype)
+            self.o_proj = RowParallelLinear(q_rows, config.hidden_size, tp, bias=o_bias,
+                                            dtype=dtype)
         self.q_norm = (
             RMSNorm(config.head_size, config.rms_norm_eps, dtype=dtype) if qk_norm else None
         )
@@ -95,13 +112,27 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))` with gate and up fused."""
 
-    def __init__(self, config: ModelArchConfig, *, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelArchConfig, *, dtype: torch.dtype,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
+        tp = tp or TensorParallel()
         size = config.intermediate_size
-        self.gate_up_proj = Linear(
-            config.hidden_size, [size, size], bias=config.mlp_bias, dtype=dtype
-        )
-        self.down_proj = Linear(size, [config.hidden_size], bias=config.mlp_bias, dtype=dtype)
+        self.gate_up_proj: Linear
+        self.down_proj: Linear
+        if tp.size == 1:
+            self.gate_up_proj = Linear(config.hidden_size, [size, size], bias=config.mlp_bias,
+                                       dtype=dtype)
+            self.down_proj = Linear(size, [config.hidden_size], bias=config.mlp_bias,
+                                    dtype=dtype)
+            return
+        if size % tp.size:
+            raise ValueError(f"intermediate_size {size} does not split over tensor-parallel "
+                             f"size {tp.size}")
+        columns = (tp.rank * size // tp.size, size // tp.size)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [columns, columns],
+                                                 bias=config.mlp_bias, dtype=dtype)
+        self.down_proj = RowParallelLinear(columns, config.hidden_size, tp,
+                                           bias=config.mlp_bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, hidden_size) -> (num_tokens, hidden_size)
@@ -112,11 +143,12 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual add is fused into the next norm (see `RMSNorm`)."""
 
     def __init__(
-        self, config: ModelArchConfig, self_attn: LlamaAttention, *, dtype: torch.dtype
+        self, config: ModelArchConfig, self_attn: LlamaAttention, *, dtype: torch.dtype,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = self_attn
-        self.mlp = LlamaMLP(config, dtype=dtype)
+        self.mlp = LlamaMLP(config, dtype=dtype, tp=tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype=dtype
@@ -157,15 +189,19 @@ class LlamaModel(nn.Module):
         qk_norm: bool,
         dtype: torch.dtype,
         stage: PipelineStage,
+        tp: TensorParallel,
     ) -> None:
         super().__init__()
         self.stage = stage
         # The last stage of a tied model reads the table as its output projection.
         needs_embedding = stage.is_first or (stage.is_last and config.tie_word_embeddings)
-        self.embed_tokens = (
-            VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
-            if needs_embedding else None
-        )
+        self.embed_tokens: nn.Module | None = None
+        if needs_embedding:
+            self.embed_tokens = (
+                VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
+                if tp.size == 1
+                else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
+            )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
                 config,
@@ -176,8 +212,10 @@ class LlamaModel(nn.Module):
                     o_bias=o_bias,
                     qk_norm=qk_norm,
                     dtype=dtype,
+                    tp=tp,
                 ),
                 dtype=dtype,
+                tp=tp,
             )
             for _ in range(stage.num_layers)
         )
@@ -228,8 +266,9 @@ class LlamaForCausalLM(nn.Module):
     Attention biases follow `config.attention_bias` (q/k/v and o together).
     """
 
-    # Can be split into pipeline stages (`stage`).
+    # Can be split into pipeline stages (`stage`) and tensor-parallel shards (`tp`).
     supports_pipeline_parallel: ClassVar[bool] = True
+    supports_tensor_parallel: ClassVar[bool] = True
 
     # Which checkpoint projections each fused module holds, in row order.
     packed_modules_mapping: ClassVar[dict[str, tuple[str, ...]]] = {
@@ -241,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(
         self, config: ModelArchConfig, attn_backend: AttentionBackend, dtype: torch.dtype,
-        stage: PipelineStage | None = None,
+        stage: PipelineStage | None = None, tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         if config.hidden_act != "silu":
@@ -251,6 +290,8 @@ class LlamaForCausalLM(nn.Module):
             )
         self.config = config
         self.stage = PipelineStage.whole(config.num_layers) if stage is None else stage
+        # Tensor parallelism: this rank's heads, MLP columns and vocabulary rows.
+        self.tp = tp or TensorParallel()
         if self.stage.end_layer > config.num_layers:
             raise ValueError(f"pipeline stage {self.stage.index} runs layers up to "
                              f"{self.stage.end_layer}; the model has {config.num_layers}")
@@ -263,13 +304,17 @@ class LlamaForCausalLM(nn.Module):
             qk_norm=self.use_qk_norm,
             dtype=dtype,
             stage=self.stage,
+            tp=self.tp,
         )
         # Tied checkpoints reuse the embedding table as the output projection.
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings or not self.stage.is_last
-            else Linear(config.hidden_size, [config.vocab_size], bias=False, dtype=dtype)
-        )
+        self.lm_head: nn.Module | None = None
+        if not config.tie_word_embeddings and self.stage.is_last:
+            self.lm_head = (
+                Linear(config.hidden_size, [config.vocab_size], bias=False, dtype=dtype)
+                if self.tp.size == 1
+                else VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.tp,
+                                            dtype)
+            )
 
     @classmethod
     def attention_biases(cls, config: ModelArchConfig) -> tuple[bool, bool]:
@@ -325,9 +370,12 @@ class LlamaForCausalLM(nn.Module):
         if not self.stage.is_last:
             raise ValueError(f"pipeline stage {self.stage.index} has no output head; the "
                              "last stage computes logits")
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        assert head is not None  # tied: the last stage holds the embedding
+        if isinstance(head, VocabParallelEmbedding):
+            return head.logits(hidden_states)  # each rank's vocabulary rows, gathered
         if self.lm_head is None:
-            assert self.model.embed_tokens is not None  # tied: the last stage holds it
-            return F.linear(hidden_states, self.model.embed_tokens.weight).float()
+            return F.linear(hidden_states, head.weight).float()
         return self.lm_head(hidden_states).float()
 
 
@@ -336,14 +384,14 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
     def __init__(
         self, config: ModelArchConfig, attn_backend: AttentionBackend, dtype: torch.dtype,
-        stage: PipelineStage | None = None,
+        stage: PipelineStage | None = None, tp: TensorParallel | None = None,
     ) -> None:
         if config.raw.get("use_sliding_window"):
             raise ValueError(
                 f"{config.architecture}: use_sliding_window=true is not supported; "
                 "only full attention is"
             )
-        super().__init__(config, attn_backend, dtype, stage)
+        super().__init__(config, attn_backend, dtype, stage, tp)
 
     @classmethod
     def attention_biases(cls, config: ModelArchConfig) -> tuple[bool, bool]:

@@ -22,6 +22,7 @@ import torch
 from kvferry.engine.attention.backend import AttentionBackend
 from kvferry.engine.executor.partition import PipelineStage
 from kvferry.engine.layers.linear import Linear, prepack_linear_weights
+from kvferry.engine.layers.tensor_parallel import TensorParallel
 from kvferry.engine.models.checkpoint import checkpoint_files
 from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.models.registry import get_model_class
@@ -161,19 +162,24 @@ def load_model(
     attn_backend: AttentionBackend,
     device: torch.device,
     stage: PipelineStage | None = None,
+    tp: TensorParallel | None = None,
 ) -> nn.Module:
     """Builds the checkpoint's model class on `device` in `dtype` and loads its weights;
-    with `stage`, only that pipeline stage's part of the model (and of the weights)."""
+    with `stage`, only that pipeline stage's part of the model (and of the weights); with
+    `tp` of size > 1, this tensor-parallel rank's shard of every layer."""
     model_dir = Path(model_dir)
     config = ModelArchConfig.from_pretrained(model_dir)
     model_class = get_model_class(config.architecture)
     if stage is not None and stage.num_stages > 1:
         check_pipeline_support(config, stage.num_stages)
+    kwargs: dict[str, object] = {} if stage is None else {"stage": stage}
+    if tp is not None and tp.size > 1:
+        if not getattr(model_class, "supports_tensor_parallel", False):
+            raise ValueError(f"{config.architecture} has no tensor parallelism: "
+                             f"tensor_parallel_size must be 1, got {tp.size}")
+        kwargs["tp"] = tp
     with torch.device(device):
-        if stage is None:
-            model = model_class(config, attn_backend, dtype)
-        else:
-            model = model_class(config, attn_backend, dtype, stage)
+        model = model_class(config, attn_backend, dtype, **kwargs)
     load_weights(model, model_dir)
     prepack_linear_weights(model)
     return model.eval()
