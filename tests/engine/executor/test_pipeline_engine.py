@@ -12,7 +12,6 @@ and checks that the requests in flight end with an error within seconds.
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import time
@@ -33,6 +32,7 @@ from kvferry.engine.executor.pipeline import PipelineExecutor
 from kvferry.engine.frontend.llm_engine import LLMEngine
 from kvferry.engine.frontend.outputs import RequestOutput
 from kvferry.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from kvferry_testing.compare_outputs import assert_same_outputs
 
 BLOCK_SIZE = 4
 EOS = 2
@@ -103,42 +103,6 @@ def assert_idle(engine: LLMEngine) -> None:
     assert engine.num_free_blocks == engine.kv_cache_manager.block_pool.num_blocks - 1
     assert engine.step() == []  # delivers the last finished ids to the stages
     assert not engine.has_unfinished_requests()
-
-
-def logprob_values(entries: list | None) -> list:
-    return [] if entries is None else [
-        None if e is None else [(t, p.rank, p.logprob) for t, p in sorted(e.items())]
-        for e in entries]
-
-
-def assert_same_outputs(expected: dict[str, RequestOutput],
-                        actual: dict[str, RequestOutput]) -> None:
-    assert sorted(actual) == sorted(expected)
-    for req_id, want in expected.items():
-        got = actual[req_id]
-        assert got.finished and want.finished, req_id
-        assert got.num_cached_tokens == want.num_cached_tokens, req_id
-        assert got.error == want.error, req_id
-        for want_c, got_c in zip(want.outputs, got.outputs, strict=True):
-            assert got_c.token_ids == want_c.token_ids, (req_id, want_c.index)
-            assert (got_c.text, got_c.finish_reason, got_c.stop_reason) == (
-                want_c.text, want_c.finish_reason, want_c.stop_reason), req_id
-            _assert_logprobs_close(logprob_values(got_c.logprobs),
-                                   logprob_values(want_c.logprobs), req_id)
-        _assert_logprobs_close(logprob_values(got.prompt_logprobs),
-                               logprob_values(want.prompt_logprobs), req_id)
-
-
-def _assert_logprobs_close(got: list, want: list, req_id: str) -> None:
-    """Same tokens and ranks; values equal up to float32 rounding (other processes)."""
-    assert len(got) == len(want), req_id
-    for got_pos, want_pos in zip(got, want):
-        if want_pos is None:
-            assert got_pos is None, req_id
-            continue
-        assert [(t, r) for t, r, _ in got_pos] == [(t, r) for t, r, _ in want_pos], req_id
-        for (_, _, a), (_, _, b) in zip(got_pos, want_pos):
-            assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4), (req_id, a, b)
 
 
 def both_ways(engines: tuple[LLMEngine, LLMEngine], requests: Callable[[], list[Request]],
