@@ -54,7 +54,8 @@ class TransferAdmission:
             return self._num_fallbacks
 
     def admit(self, params: KVTransferParams) -> KVTransferParams | None:
-        """The params to act on, or None (refused: compute the prompt here).
+        """The params to act on, or None (refused: compute the prompt here; a hold for a
+        remote decode that came with them still stands).
 
         Raises ValueError, with the client's 400 message, for params this pod refuses.
         """
@@ -77,7 +78,7 @@ class TransferAdmission:
                        params.remote_host, params.remote_port)
         with self._lock:
             self._num_fallbacks += 1
-        return None
+        return params.without_pull()
 
     def _require_transfers(self) -> KVTransferConfig:
         if self.config is None:

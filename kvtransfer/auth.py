@@ -108,14 +108,18 @@ def _signed_fields(params: KVTransferParams) -> tuple[object, ...]:
     """
     lease = None if params.kvferry_lease_s is None else float(params.kvferry_lease_s)
     return (
-        _PARAMS_TAG, params.do_remote_decode, params.do_remote_prefill,
+        # `do_remote_decode` asks the engine given the params to hold what it computes; it
+        # names nothing to contact. Signed as False (what a producer returns), so a router
+        # may add it: a prefill pod then pulls an encoder pod's hold and holds the result.
+        _PARAMS_TAG, False, params.do_remote_prefill,
         params.remote_engine_id, params.remote_host, params.remote_port,
         [list(group) for group in params.remote_block_ids], params.remote_request_id,
         params.kvferry_agent_name, params.kvferry_num_tokens, lease,
         params.kvferry_protocol_version, params.kvferry_prompt_hash, params.kvferry_expires_at,
         # Encoder holds only: params without them sign exactly as before the fields existed.
         *((params.kvferry_encoder_hash, params.kvferry_num_encoder_tokens)
-          if params.kvferry_encoder_hash is not None else ()),
+          if params.kvferry_encoder_hash is not None
+          or params.kvferry_num_encoder_tokens is not None else ()),
     )
 
 

@@ -202,7 +202,9 @@ class KVConnectorScheduler(KVConnectorSchedulerBase):
                 "it here", params.remote_request_id, params.remote_engine_id)
             return None
         num_prompt_tokens = len(prompt_token_ids)
-        num_remote = min(params.kvferry_num_tokens or num_prompt_tokens, num_prompt_tokens - 1)
+        # An encoder pod's hold has none (0); a producer that does not say, all of them.
+        held = num_prompt_tokens if params.kvferry_num_tokens is None else params.kvferry_num_tokens
+        num_remote = min(held, num_prompt_tokens - 1)
         return max(0, num_remote - num_computed_tokens)
 
     def update_state_after_alloc(
@@ -269,14 +271,15 @@ class KVConnectorScheduler(KVConnectorSchedulerBase):
         first = num_computed_tokens // self.block_size
         end = math.ceil((num_computed_tokens + num_external_tokens) / self.block_size)
         remote = params.remote_block_ids
-        if len(block_ids) < len(remote):
+        if len(block_ids) < len(remote) and not params.is_cross_pull:
             raise ValueError(
                 f"the producer sent {len(remote)} block groups, this request has {len(block_ids)}"
             )
         local_groups = [tuple(block_ids[0][first:end])]
         remote_groups = [remote[0][first:end]]
-        # Other groups (cross-attention) are pulled whole.
-        for group in range(1, len(remote)):
+        # Other groups (cross-attention) are pulled whole; an encoder-decoder request whose
+        # cross blocks are cached here is given group 0 alone.
+        for group in range(1, min(len(remote), len(block_ids))):
             local_groups.append(tuple(block_ids[group]))
             remote_groups.append(remote[group])
         for group, (mine, theirs) in enumerate(zip(local_groups, remote_groups, strict=True)):
@@ -290,6 +293,9 @@ class KVConnectorScheduler(KVConnectorSchedulerBase):
 
     def is_cross_pull(self, params: KVTransferParams | None) -> bool:
         return params is not None and params.is_cross_pull
+
+    def after_pull(self, params: KVTransferParams | None) -> KVTransferParams | None:
+        return None if params is None else params.without_pull()
 
     def check_cross_pull(self, params: KVTransferParams, encoder_key: bytes,
                          num_encoder_tokens: int) -> str | None:
@@ -395,6 +401,11 @@ class KVConnectorScheduler(KVConnectorSchedulerBase):
         out = replace(self._params_for_decode(req_id, held, num_computed_tokens),
                       kvferry_prompt_hash=prompt_hash(token_ids[:num_computed_tokens],
                                                       cache_salt))
+        if encoder_key is not None:
+            # The decoder prompt's KV depends on the encoder input (and the prompt hash, by
+            # `cache_salt`, on its key): the consumer checks both before pulling.
+            out = replace(out, kvferry_encoder_hash=encoder_key.hex(),
+                          kvferry_num_encoder_tokens=num_encoder_tokens)
         if self.config.transfer_key is not None:
             out = sign_params(out, self.config.transfer_key, time.time())
         return True, out.to_dict()

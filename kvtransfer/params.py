@@ -16,7 +16,12 @@ or a list of lists, one per block group (group 1: an encoder-decoder's cross-att
 An encoder pod (encoder-decoder models) holds only a request's cross-attention blocks: its
 params have an empty group 0, the cross blocks as group 1, `kvferry_num_tokens` 0, and say
 which encoder input they hold (`kvferry_encoder_hash`, the hex of the input's key, and
-`kvferry_num_encoder_tokens`), so a decode pod pulls them only for the same input.
+`kvferry_num_encoder_tokens`), so a decode pod pulls them only for the same input. A prefill
+pod's hold of an encoder-decoder request (a long decoder prompt) names both groups: the
+decoder prompt's blocks as group 0 (`kvferry_num_tokens` of them), the cross blocks as group
+1, and the same encoder fields. Such a prefill pod is sent the encoder pod's params with
+`do_remote_decode` added: it pulls the cross blocks, computes the decoder prompt, then holds
+both groups.
 """
 
 from __future__ import annotations
@@ -82,8 +87,14 @@ class KVTransferParams:
 
     @property
     def is_cross_pull(self) -> bool:
-        """Params of an encoder pod's hold: pull the cross-attention blocks (group 1)."""
+        """Params of an encoder-decoder request's hold: pull the cross-attention blocks
+        (group 1), and the decoder prompt's (group 0) when a prefill pod computed it."""
         return self.do_remote_prefill and self.kvferry_encoder_hash is not None
+
+    def without_pull(self) -> KVTransferParams | None:
+        """What is left once the pull is over (done, failed or not taken): the instruction
+        to hold what this engine computes for a remote decode, if there was one."""
+        return KVTransferParams(do_remote_decode=True) if self.do_remote_decode else None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> KVTransferParams | None:
@@ -131,9 +142,13 @@ class KVTransferParams:
                              "an encoder pod's hold, with kvferry_encoder_hash)")
         if self.is_cross_pull:
             groups = self.remote_block_ids
-            if len(groups) != 2 or groups[0] or not groups[1]:
-                raise ValueError("kv_transfer_params of an encoder hold need remote_block_ids "
-                                 "[[], [cross-attention block ids...]]")
+            if len(groups) != 2 or not groups[1]:
+                raise ValueError("kv_transfer_params with kvferry_encoder_hash need "
+                                 "remote_block_ids [[decoder block ids...], [cross-attention "
+                                 "block ids...]]")
+            if bool(groups[0]) != bool(self.kvferry_num_tokens):
+                raise ValueError("kv_transfer_params.remote_block_ids[0] must be empty exactly "
+                                 "when kvferry_num_tokens is 0 (an encoder pod's hold)")
             if not self.kvferry_num_encoder_tokens:
                 raise ValueError("kv_transfer_params.kvferry_num_encoder_tokens is required "
                                  "with kvferry_encoder_hash")

@@ -119,10 +119,17 @@ class KVConnectorSchedulerBase(ABC):
         """A request ended. Returns (keep its blocks, parameters to return to the client).
         `cache_salt` as for get_num_new_matched_tokens. An encoder-decoder request that ran
         only its encoder (an encoder pod's) has no self-attention blocks; its cross blocks
-        (group 1) are kept for the input `encoder_key` of `num_encoder_tokens` positions.
+        (group 1) are kept for the input `encoder_key` of `num_encoder_tokens` positions (a
+        prefill's keeps both groups, and says which input too).
 
         Kept blocks are freed when a later `get_finished` lists the request in `free`.
         """
+
+    def after_pull(self, params: TransferParams) -> TransferParams:
+        """The parameters left once the request's pull is over (done, failed, or not
+        taken): None, or an instruction that still stands (hold what this engine computes
+        for a remote decode)."""
+        return None
 
     def is_cross_pull(self, params: TransferParams) -> bool:
         """Whether the parameters name an encoder pod's cross-attention blocks to pull."""

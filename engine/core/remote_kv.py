@@ -84,10 +84,14 @@ class RemoteKV:
             return 0
         return num_external
 
-    def park(self, request: Request, num_hit_tokens: int, num_external: int) -> None:
+    def park(self, request: Request, num_hit_tokens: int, num_external: int,
+             pulls_cross: bool = True) -> None:
         """Plans the pull of a request whose blocks were just allocated (an encoder-decoder
-        request's cross-attention blocks as group 1)."""
+        request's cross-attention blocks as group 1, unless `pulls_cross` is False: they
+        are cached here)."""
         block_ids = self._manager.get_block_id_groups(request.request_id)
+        if not pulls_cross:
+            block_ids = block_ids[:1]
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.waiting_for_remote[request.request_id] = (request, num_external)
         self.connector.update_state_after_alloc(
@@ -98,13 +102,15 @@ class RemoteKV:
         """A remote-prefill request that pulls nothing: the producer may free its hold (an
         encoder pod's too: the request's cross blocks are cached here, or its encoder
         runs here)."""
+        if self.connector.is_pull(request.kv_transfer_params):
+            self.drop_pull(request)
+
+    def drop_pull(self, request: Request) -> None:
+        """Forgets the request's pull (its params name KV it will not take): the producer's
+        hold is let go, and what else the params asked for stands."""
         params = request.kv_transfer_params
-        if self.connector.is_pull(params):
-            self.connector.update_state_after_alloc(
-                request.request_id, params, [self._manager.get_block_ids(request.request_id)],
-                request.num_computed_tokens, 0,
-            )
-            request.kv_transfer_params = None
+        self.connector.update_state_after_alloc(request.request_id, params, [[]], 0, 0)
+        request.kv_transfer_params = self.connector.after_pull(params)
 
     # ------------------------------------------------------------------ each step
     def update(self, output: object) -> TransferOutcome:
@@ -118,7 +124,7 @@ class RemoteKV:
             if entry is None:
                 continue  # finished meanwhile; its blocks were freed or are kept
             request = entry[0]
-            request.kv_transfer_params = None
+            request.kv_transfer_params = self.connector.after_pull(request.kv_transfer_params)
             outcome.failed.append((request, failure))
         for req_id in done.free:
             self._manager.free(self.kept.pop(req_id))
@@ -128,7 +134,7 @@ class RemoteKV:
         request, num_external = self.waiting_for_remote.pop(req_id)
         request.num_computed_tokens += num_external
         # Over: a later preemption must recompute, the producer has freed its blocks.
-        request.kv_transfer_params = None
+        request.kv_transfer_params = self.connector.after_pull(request.kv_transfer_params)
         # Only now may other requests find these blocks (see the module invariant).
         self._manager.cache_full_blocks(request, request.num_computed_tokens)
         self._manager.cache_cross_blocks(request)

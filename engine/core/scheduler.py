@@ -463,29 +463,40 @@ class Scheduler:
         return len(self.running)
 
     def _park_for_cross_pull(self, request: Request) -> bool | None:
-        """An encoder-decoder request whose encoder ran on an encoder pod: allocates its
-        cross table and parks it while the pull fills it. False when it computes here
-        instead (its cross blocks are cached here, or the params name another input: the
-        normal admission then takes the hits or runs the encoder, and frees the encoder
-        pod's hold); None when the pool has no room now."""
+        """An encoder-decoder request whose encoder ran on an encoder pod (and, for a long
+        decoder prompt, whose prompt a prefill pod computed): allocates its tables and
+        parks it while the pull fills them. Cross blocks cached here are taken, not pulled.
+        False when it computes here instead (nothing left to pull, or the params name
+        another input: the normal admission then takes the hits or runs the encoder, and
+        frees the producer's hold); None when the pool has no room now."""
         assert self.remote is not None and request.encoder_key is not None
         manager = self.kv_cache_manager
-        if manager.get_cached_cross_blocks(request) is not None:
+        cross_hits = manager.get_cached_cross_blocks(request)
+        if cross_hits is not None:
             self.remote.num_cross_cache_hits += 1
+        else:
+            mismatch = self.remote.connector.check_cross_pull(
+                request.kv_transfer_params, request.encoder_key, request.num_encoder_tokens)
+            if mismatch is not None:
+                logger.warning("request %s: %s; running its encoder here", request.request_id,
+                               mismatch)
+                self.remote.num_fallbacks += 1
+                self.remote.drop_pull(request)
+                return False
+        # A prefill pod's hold brings the decoder prompt's KV too (an encoder pod's, none).
+        hits, num_hit_tokens = manager.get_computed_blocks(request)
+        num_external = self._num_external_tokens(request, num_hit_tokens)
+        if cross_hits is not None and num_external == 0:
             return False
-        mismatch = self.remote.connector.check_cross_pull(
-            request.kv_transfer_params, request.encoder_key, request.num_encoder_tokens)
-        if mismatch is not None:
-            logger.warning("request %s: %s; running its encoder here", request.request_id,
-                           mismatch)
-            self.remote.num_fallbacks += 1
-            return False
-        if manager.allocate_slots(request, 0, None, 0, [],
-                                  manager.num_cross_blocks(request)) is None:
+        if manager.allocate_slots(request, num_external, hits, num_hit_tokens,
+                                  cross_hits or [],
+                                  0 if cross_hits is not None else manager.num_cross_blocks(request)
+                                  ) is None:
             return None
         self.waiting.pop()
-        self._record_admission(request, 0)
-        self.remote.park(request, 0, 0)
+        self._record_admission(request, num_hit_tokens)
+        self.remote.park(request, num_hit_tokens, num_external,
+                         pulls_cross=cross_hits is None)
         return True
 
     def _plan_cross_blocks(

@@ -52,13 +52,25 @@ def test_params_verify_after_json_and_a_router_that_rewrites_numbers() -> None:
     ("remote_block_ids", ((3, 4, 8),)), ("remote_block_ids", ((3, 4), (9,))),
     ("remote_request_id", "cmpl-2"), ("kvferry_agent_name", "kvferry-x"),
     ("kvferry_num_tokens", 41), ("kvferry_lease_s", 300.0), ("kvferry_prompt_hash", "1" * 32),
-    ("kvferry_expires_at", int(NOW) + 3600), ("do_remote_decode", True),
+    ("kvferry_expires_at", int(NOW) + 3600), ("do_remote_prefill", False),
+    ("kvferry_encoder_hash", "ab" * 16), ("kvferry_num_encoder_tokens", 12),
 ])
 def test_any_changed_field_breaks_the_signature(field: str, value: object) -> None:
     forged = dataclasses.replace(sign_params(PARAMS, TEST_KEY, NOW), **{field: value})
     refusal = check_params(forged, TEST_KEY, NOW)
     assert refusal is not None and refusal.reason is FailureReason.BAD_SIGNATURE
     assert "kvferry_mac does not match" in refusal.message
+
+
+def test_a_router_may_ask_for_a_hold_beside_signed_params() -> None:
+    """`do_remote_decode` names nothing to contact: a prefill pod given an encoder pod's
+    params with it pulls them and holds what it computes. Every other field stays signed."""
+    wire = {**sign_params(PARAMS, TEST_KEY, NOW).to_dict(), "do_remote_decode": True}
+    parsed = KVTransferParams.from_dict(wire)
+    assert parsed is not None and parsed.do_remote_decode
+    assert check_params(parsed, TEST_KEY, NOW) is None
+    assert parsed.without_pull() == KVTransferParams(do_remote_decode=True)
+    assert sign_params(PARAMS, TEST_KEY, NOW).without_pull() is None
 
 
 def test_unsigned_params_and_another_keys_are_refused() -> None:
