@@ -5,7 +5,15 @@ With an encoder pool, the request goes first to an encoder pod as the client sen
 JSON for a transcription's multipart form). The encoder pod runs only the encoder, holds the
 request's cross-attention blocks under a lease and answers with the params naming them; the
 request then goes to a decode pod with those params, and the decode pod pulls the blocks,
-runs the short decoder prompt and decodes. The prefill pool is never used for these models.
+runs the short decoder prompt and decodes.
+
+The prefill pool is used for these models only when the decoder prompt is long (as long as
+the prefill threshold): a transcription whose `prompt` (Whisper's previous text) makes it
+so. The request then goes encoder -> prefill -> decode: the prefill pod is sent the encoder
+pod's params with `do_remote_decode` added, pulls the cross blocks, computes the decoder
+prompt and holds both; the decode pod pulls both. Without an encoder hop (no encoder pool,
+or it failed) the prefill pod runs the encoder itself. A completion's decoder prompt is the
+model's default, a few tokens: it never takes the prefill hop.
 
 The encode hop is skipped when the decode pod the decode policy picks holds the encoder
 input's first cross-attention block already (the KV events' cross-block hashes, in an index
@@ -44,7 +52,7 @@ from kvferry.router.flow import (
     raise_if_refused,
 )
 from kvferry.router.hops import TRANSPORT_ERRORS, Chooser, HopError, release, send_hop
-from kvferry.router.multipart import FormError, form_boundary, parse_form
+from kvferry.router.multipart import Form, FormError, form_boundary, parse_form
 from kvferry.router.pod_client import Body, HopTimeout
 from kvferry.router.pods import Pod
 from kvferry.router.policies import Choice, RoundRobin, make_policy
@@ -65,6 +73,9 @@ logger = logging.getLogger("kvferry.router")
 AUDIO_PATH = "/v1/audio/transcriptions"
 # What the encoder pod is asked for: run the encoder, hold the cross blocks for a decode pod.
 ENCODE_PARAMS = {"do_remote_decode": True}
+# Whisper's decoder prompt before its previous text: start of previous, start of
+# transcript, language, task, no timestamps.
+WHISPER_TASK_TOKENS = 5
 # Statuses an encoder pod turns a hop away with when it is busy (429) or not serving (503:
 # loading or draining); anything else that is not the request's own fault is a failure.
 REFUSED_STATUSES = frozenset({429, 503})
@@ -81,10 +92,14 @@ class EncoderRequest:
     first_cross_hash: bytes | None
     # Why the request goes straight to decode whatever the pools hold (a metric label).
     skip_reason: str | None
-    # The encode hop's body (the client's request asking for a hold).
-    encode_body: Callable[[], Body]
+    # The body of a hop that holds what it computes (the encode and prefill hops): the
+    # client's request, answered whole, with these params.
+    hold_body: Callable[[dict[str, Any]], Body]
     # The decode hop's body with the encoder pod's params; without any for None.
     decode_body: Callable[[dict[str, Any] | None], Body]
+    # The decoder prompt's tokens (at most), when it may be long enough for the prefill
+    # pool; None: the model's default decoder prompt, always short.
+    decoder_tokens: int | None = None
 
 
 def first_cross_hash(kind: str, payload: bytes) -> bytes:
@@ -128,15 +143,12 @@ class EncodeFlow:
     # ------------------------------------------------------------------ the routes
     async def generate(self, endpoint: str, body: dict[str, Any], request_id: str) -> Answer:
         """A /v1/completions (or chat) request, its prompt being the encoder's input."""
-        router = self.router
-        if "prefill" in router.pods.seen_pools:
-            router.metrics.prefill_skips.labels("encoder_decoder").inc()
         is_one = endpoint == COMPLETIONS and is_one_prompt(endpoint, body)
         key = await self._tokens_cross_hash(endpoint, body) if is_one and self.needs_key() \
             else None
         request = EncoderRequest(
             endpoint, hop_headers(request_id), key, None if is_one else "not_one_prompt",
-            encode_body=lambda: dumps(_encode_json(body)),
+            hold_body=lambda params: dumps(_hold_json(body, params)),
             decode_body=lambda params: dumps(
                 body if params is None else {**body, KV_TRANSFER_FIELD: params}))
         return await self._run(request, request_id)
@@ -156,17 +168,19 @@ class EncodeFlow:
                         "to a decode pod: %s", request_id, exc)
             form = None
         if form is None:
-            request = EncoderRequest(AUDIO_PATH, headers, None, None, lambda: [body],
+            request = EncoderRequest(AUDIO_PATH, headers, None, None, lambda _: [body],
                                      lambda _: [body])
             return await self._decode(request, None, None, request_id)
         without_params = form.with_field(KV_TRANSFER_FIELD, None)
         request = EncoderRequest(
             AUDIO_PATH, headers, None, None,
-            encode_body=lambda: form.with_field(KV_TRANSFER_FIELD, dumps(ENCODE_PARAMS)),
+            hold_body=lambda params: form.with_field(KV_TRANSFER_FIELD, dumps(params)),
             decode_body=lambda params: without_params if params is None
             else form.with_field(KV_TRANSFER_FIELD, dumps(params)))
         if self.encoder_input() != "audio":
             return await self._decode(request, None, None, request_id)
+        if "prefill" in self.router.pods.seen_pools:
+            request.decoder_tokens = await self._decoder_tokens(form)
         file = form.part("file")
         if file is not None and self.needs_key():
             # Hashing megabytes takes milliseconds: on a thread (hashlib lets go of the GIL).
@@ -181,6 +195,7 @@ class EncodeFlow:
         decode, holds = self._decode_choice(request.first_cross_hash)
         try:
             params = await self._maybe_encode(request, holds, request_id)
+            params = await self._maybe_prefill(request, params, holds, request_id)
         except RequestRefused as refused:  # the decode pod would refuse it the same way
             return refused.answer
         # Loads seen before the encode hop are stale by now: the decode pod is chosen when
@@ -228,26 +243,64 @@ class EncodeFlow:
         metrics.encode_hops.labels(request.endpoint).inc()
         return params
 
+    async def _maybe_prefill(self, request: EncoderRequest, params: dict[str, Any] | None,
+                             holds: bool, request_id: str) -> dict[str, Any] | None:
+        """Runs the prefill hop of a long decoder prompt; the params for the decode hop (the
+        prefill pod's, or `params` when the hop is skipped)."""
+        router = self.router
+        metrics = router.metrics
+        if "prefill" not in router.pods.seen_pools:
+            return params
+        if request.decoder_tokens is None:
+            metrics.prefill_skips.labels("encoder_decoder").inc()
+            return params
+        if request.decoder_tokens < router.settings.prefill_threshold_tokens:
+            metrics.prefill_skips.labels("short_prompt").inc()
+            return params
+        if holds:
+            metrics.prefill_skips.labels("cached_on_decode").inc()
+            return params
+        if not router.pods.pool("prefill"):
+            metrics.prefill_fallbacks.labels("no_live_prefill_pod").inc()
+            return params
+        try:
+            return await self._hold_hop(request, "prefill", "prefill",
+                                        {**(params or {}), "do_remote_decode": True},
+                                        router.prefill_timeout)
+        except HopError as exc:
+            logger.warning("request %s: prefill hop failed, decoding without it: %s",
+                           request_id, exc)
+            metrics.prefill_fallbacks.labels("prefill_failed").inc()
+            # A pod that turned the hop away pulled nothing: the encoder's hold still stands.
+            return params if exc.status in REFUSED_STATUSES else None
+
     async def _encode(self, request: EncoderRequest) -> dict[str, Any]:
         """The encoder pod's kv_transfer_params; HopError when no pod gave them,
         RequestRefused when the pod found the request itself wrong (the client gets that)."""
+        return await self._hold_hop(request, "encode", "encoder", ENCODE_PARAMS, self._timeout)
+
+    async def _hold_hop(self, request: EncoderRequest, hop: str, pool: str,
+                        params: dict[str, Any], timeout: HopTimeout) -> dict[str, Any]:
+        """Sends the request to a pod of `pool` asking it to hold what it computes; the
+        params naming the hold. HopError when no pod gave them, RequestRefused when the pod
+        found the request itself wrong (the client gets that)."""
         router = self.router
-        chooser = router.chooser("encoder", Prompt(None, None), None)
-        answer = await send_hop(router.pod_client, router.pods, router.metrics, "encode",
-                                "encoder", chooser, request.endpoint, request.encode_body(),
-                                request.headers, self._timeout)
+        chooser = router.chooser(pool, Prompt(None, None), None)
+        answer = await send_hop(router.pod_client, router.pods, router.metrics, hop, pool,
+                                chooser, request.endpoint, request.hold_body(params),
+                                request.headers, timeout)
         try:
             raw = await answer.response.read()
         except TRANSPORT_ERRORS as exc:
-            raise HopError(f"encoder pod {answer.pod.name} failed mid-answer: {exc}") from None
+            raise HopError(f"{pool} pod {answer.pod.name} failed mid-answer: {exc}") from None
         finally:
             release(answer)
         raise_if_refused(answer, raw)
         if answer.response.status != 200:
-            raise HopError(f"encoder pod {answer.pod.name} answered "
+            raise HopError(f"{pool} pod {answer.pod.name} answered "
                            f"{answer.response.status}: {raw[:200]!r}",
                            status=answer.response.status)
-        return _encoder_params(answer.pod, raw)
+        return _held_params(answer.pod, raw)
 
     async def _decode(self, request: EncoderRequest, params: dict[str, Any] | None,
                       first: Choice | None, request_id: str) -> Answer:
@@ -274,6 +327,25 @@ class EncodeFlow:
 
         return choose
 
+    async def _decoder_tokens(self, form: Form) -> int | None:
+        """At most how many tokens a transcription's decoder prompt has: Whisper's task
+        tokens and its previous text (`prompt`). A text is tokenized only when its bytes
+        (each token is at least one) could reach the prefill threshold."""
+        part = form.part("prompt")
+        text = "" if part is None else bytes(form.content(part)).decode("utf-8", "replace")
+        if not text.strip():
+            return WHISPER_TASK_TOKENS
+        text = " " + text.strip()
+        num_bytes = len(text.encode())
+        if num_bytes + WHISPER_TASK_TOKENS < self.router.settings.prefill_threshold_tokens:
+            return num_bytes + WHISPER_TASK_TOKENS
+        model_part = form.part("model")
+        model = None if model_part is None else bytes(form.content(model_part)).decode(
+            "utf-8", "replace")
+        token_ids = await self.router.tokenize(
+            COMPLETIONS, {"model": model, "prompt": text, "add_special_tokens": False})
+        return None if token_ids is None else len(token_ids) + WHISPER_TASK_TOKENS
+
     # ------------------------------------------------------------------ the key
     async def _tokens_cross_hash(self, endpoint: str, body: dict[str, Any]) -> bytes | None:
         """The first cross block's hash of a token encoder's prompt (one prompt: ids as
@@ -296,24 +368,24 @@ class EncodeFlow:
         return first_cross_hash("tokens", payload)
 
 
-def _encode_json(body: dict[str, Any]) -> dict[str, Any]:
-    """The encode hop's JSON body: the client's, asking for a hold, answered whole."""
-    out = {**body, KV_TRANSFER_FIELD: ENCODE_PARAMS, "stream": False}
+def _hold_json(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """A holding hop's JSON body: the client's, with `params`, answered whole."""
+    out = {**body, KV_TRANSFER_FIELD: params, "stream": False}
     out.pop("stream_options", None)
     return out
 
 
-def _encoder_params(pod: Pod, raw: bytes) -> dict[str, Any]:
-    """The kv_transfer_params of an encoder pod's answer; HopError when it has none."""
+def _held_params(pod: Pod, raw: bytes) -> dict[str, Any]:
+    """The kv_transfer_params of a holding pod's answer; HopError when it has none."""
     try:
         answer = json.loads(raw)
     except (ValueError, RecursionError):
-        raise HopError(f"encoder pod {pod.name} answered with a body that is not JSON: "
+        raise HopError(f"{pod.pool} pod {pod.name} answered with a body that is not JSON: "
                        f"{raw[:200]!r}") from None
     params = answer.get(KV_TRANSFER_FIELD) if isinstance(answer, dict) else None
     if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
-        raise HopError(f"encoder pod {pod.name} returned no {KV_TRANSFER_FIELD} naming its "
-                       "cross-attention blocks")
+        raise HopError(f"{pod.pool} pod {pod.name} returned no {KV_TRANSFER_FIELD} naming "
+                       "the blocks it holds")
     return params
 
 

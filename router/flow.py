@@ -135,7 +135,7 @@ class Router:
         timeouts = settings.timeouts
         self.decode_timeout = HopTimeout(connect_s=timeouts.connect_s,
                                          read_s=timeouts.decode_read_s)
-        self._prefill_timeout = HopTimeout(connect_s=timeouts.connect_s,
+        self.prefill_timeout = HopTimeout(connect_s=timeouts.connect_s,
                                            total_s=timeouts.prefill_s)
         # The threads that hash an uploaded file (as long a job as tokenizing a long text).
         self.hash_pool = self._tokenize_pool
@@ -377,7 +377,7 @@ class Router:
         answer = await send_hop(self.pod_client, self.pods, self.metrics, "prefill", "prefill",
                                 self.chooser("prefill", prompt, None), endpoint,
                                 dumps(prefill_body), hop_headers(request_id),
-                                self._prefill_timeout)
+                                self.prefill_timeout)
         try:
             raw = await answer.response.read()
         except TRANSPORT_ERRORS as exc:

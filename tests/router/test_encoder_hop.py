@@ -265,6 +265,113 @@ def test_without_a_live_encoder_pod_the_decode_pod_encodes(audio: dict[str, Proc
                   reason="no_live_encoder_pod") == fallbacks + 1
 
 
+# ---------------------------------------------------------------------------- a prefill pool
+@pytest.fixture(scope="module")
+def audio_prefill(tmp_path_factory: pytest.TempPathFactory,
+                  redis_url: str) -> Iterator[dict[str, Proc]]:
+    """An audio model's encoder, prefill and decode pods; the prefill threshold 64 tokens
+    (the fake's /tokenize gives one token per word)."""
+    tmp = tmp_path_factory.mktemp("encpool-prefill")
+    service, args = "encpool-prefill", ("--encoder-input", "audio", "--max-encoder-len", "1500")
+    procs: dict[str, Proc] = {}
+    try:
+        for role, name in (("encoder", "encoder-0"), ("prefill", "prefill-0"),
+                           ("decode", "decode-0")):
+            procs[name] = fake_engine(tmp, redis_url, service, role, name, args=args)
+        procs["router"] = router_process(tmp, redis_url, service, "--prefill-threshold", "64")
+        wait_pools(procs["router"], {"decode": ["decode-0"], "encoder": ["encoder-0"],
+                                     "prefill": ["prefill-0"]})
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+LONG_PROMPT = " ".join(["earlier"] * 80)  # 80 words: 80 tokens by the fake's /tokenize
+
+
+def test_a_long_previous_text_takes_encoder_then_prefill_then_decode(
+        audio_prefill: dict[str, Proc]) -> None:
+    procs = audio_prefill
+    router = procs["router"]
+    before = counts(procs)
+    data = audio_file()
+    response = transcribe(router, data, prompt=LONG_PROMPT, stream="true")
+    assert response.status_code == 200, response.text
+    [encoded] = since(procs["encoder-0"], before["encoder-0"])
+    assert json.loads(encoded["form"]["kv_transfer_params"]) == {"do_remote_decode": True}
+    # The prefill pod gets the encoder pod's params, asked to hold what it computes.
+    [prefilled] = since(procs["prefill-0"], before["prefill-0"])
+    sent = json.loads(prefilled["form"].pop("kv_transfer_params"))
+    assert sent.pop("do_remote_decode") is True
+    assert (sent["remote_engine_id"], sent["remote_block_ids"][0]) == ("encoder-0", [])
+    assert prefilled["form"]["prompt"] == LONG_PROMPT
+    assert prefilled["file_sha256"] == hashlib.sha256(data).hexdigest()
+    # The decode pod gets the prefill pod's: both block groups.
+    [decoded] = since(procs["decode-0"], before["decode-0"])
+    params = json.loads(decoded["form"].pop("kv_transfer_params"))
+    assert (params["remote_engine_id"], params["remote_block_ids"][0]) == ("prefill-0", [1, 2, 3])
+    assert params["kvferry_encoder_hash"] == audio_key(data).hex()
+    assert decoded["form"] == {**prefilled["form"]}
+    assert metric(router, "kvferry:router_pod_chosen_total", pool="prefill") >= 1
+
+
+def test_a_short_previous_text_skips_the_prefill_pool(audio_prefill: dict[str, Proc]) -> None:
+    procs = audio_prefill
+    router = procs["router"]
+    skips = metric(router, "kvferry:router_prefill_skips_total", reason="short_prompt")
+    before = counts(procs)
+    # 40 words with bytes enough to be tokenized: short by the tokenizer, not by bytes.
+    for prompt in ("a few words", " ".join(["earlier"] * 40)):
+        assert transcribe(router, audio_file(), prompt=prompt).json() == {"text": "a b c"}
+    assert since(procs["prefill-0"], before["prefill-0"]) == []
+    for decoded in since(procs["decode-0"], before["decode-0"]):
+        params = json.loads(decoded["form"]["kv_transfer_params"])
+        assert params["remote_engine_id"] == "encoder-0"
+    assert metric(router, "kvferry:router_prefill_skips_total",
+                  reason="short_prompt") == skips + 2
+
+
+@pytest.mark.parametrize("behaviour,keeps_encoder_hold", [("refuse", True), ("garbled", False)])
+def test_a_failing_prefill_pod_leaves_the_decoder_prompt_to_the_decode_pod(
+        audio_prefill: dict[str, Proc], behaviour: str, keeps_encoder_hold: bool) -> None:
+    """A pod that turned the hop away pulled nothing: the encoder pod's params go on. One
+    that failed after taking it may have pulled them: the decode pod encodes itself."""
+    procs = audio_prefill
+    router = procs["router"]
+    fallbacks = metric(router, "kvferry:router_prefill_fallbacks_total", reason="prefill_failed")
+    before = counts(procs)
+    set_behaviour(procs["prefill-0"], behaviour)
+    try:
+        response = transcribe(router, audio_file(), prompt=LONG_PROMPT)
+    finally:
+        set_behaviour(procs["prefill-0"], "ok")
+    assert response.json() == {"text": "a b c"}
+    [decoded] = since(procs["decode-0"], before["decode-0"])
+    if keeps_encoder_hold:
+        params = json.loads(decoded["form"]["kv_transfer_params"])
+        assert params["remote_engine_id"] == "encoder-0"
+    else:
+        assert "kv_transfer_params" not in decoded["form"]
+    assert metric(router, "kvferry:router_prefill_fallbacks_total",
+                  reason="prefill_failed") == fallbacks + 1
+
+
+def test_without_an_encoder_hop_the_prefill_pod_encodes(audio_prefill: dict[str, Proc]) -> None:
+    procs = audio_prefill
+    router = procs["router"]
+    set_behaviour(procs["encoder-0"], "refuse")
+    before = counts(procs)
+    try:
+        assert transcribe(router, audio_file(), prompt=LONG_PROMPT).json() == {"text": "a b c"}
+    finally:
+        set_behaviour(procs["encoder-0"], "ok")
+    [prefilled] = since(procs["prefill-0"], before["prefill-0"])
+    assert json.loads(prefilled["form"]["kv_transfer_params"]) == {"do_remote_decode": True}
+    [decoded] = since(procs["decode-0"], before["decode-0"])
+    assert json.loads(decoded["form"]["kv_transfer_params"])["remote_engine_id"] == "prefill-0"
+
+
 # ---------------------------------------------------------------------------- BART-like
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[dict[str, Proc]]:

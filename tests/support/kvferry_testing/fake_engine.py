@@ -23,7 +23,8 @@ Starlette, python-multipart: not the router's parser), recording each as
 plays the encoder pod's part of the contract (notes in router/encode.py): given transfer
 params asking for a hold, it answers the endpoint's empty result plus params naming
 cross-attention blocks and the encoder input's key (a text's ids being its words' lengths,
-as its /tokenize gives them; a file's key the sha256 of its bytes).
+as its /tokenize gives them; a file's key the sha256 of its bytes); as `--role prefill`,
+given a transcription asking for a hold, it answers params naming both block groups.
 `POST /fake/loop` with `{"work_ms": W}` has every later generation request hold the event
 loop for W ms of Python work first (a pod whose loop parses, tokenizes and detokenizes),
 and with `{"block_s": S}` blocks the loop for S seconds at once, answering afterwards.
@@ -186,9 +187,15 @@ class FakeEngine:
         params = json.loads(fields.get("kv_transfer_params") or "{}")
         if await self._misbehave(seen, send):
             return
-        if params.get("do_remote_decode") and self.role == "encoder":
+        if params.get("do_remote_decode") and self.role in ("encoder", "prefill"):
             key = encoder_input_key("audio-file", hashlib.sha256(file_data).digest())
-            answer = {"text": "", "kv_transfer_params": self._encoder_params(key, 1500)}
+            held = self._encoder_params(key, 1500)
+            if self.role == "prefill":
+                # A prefill pod's hold of a long decoder prompt: its blocks and the cross
+                # blocks (pulled from the encoder pod the params name, or its own).
+                held = {**held, "remote_block_ids": [[1, 2, 3], held["remote_block_ids"][1]],
+                        "remote_request_id": "fake-prefill", "kvferry_num_tokens": 40}
+            answer = {"text": "", "kv_transfer_params": held}
             await _send(send, 200, json.dumps(answer).encode())
             return
         if fields.get("response_format") == "text":
