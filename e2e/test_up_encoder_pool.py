@@ -103,13 +103,17 @@ def test_a_checkpoint_of_another_kind_than_the_spec_says_is_refused_before_anyth
 # ---------------------------------------------------------------------------- Whisper
 @pytest.fixture(scope="module")
 def whisper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, dict[str, str]]]:
-    """The example service with two decode pods, small KV caches and a short context."""
+    """The example service with two decode pods and a prefill pod for long decoder prompts
+    (16 tokens and more), small KV caches and a short context."""
     manifest = yaml.safe_load(EXAMPLE.read_text())
-    manifest["spec"]["model"]["maxModelLen"] = MAX_MODEL_LEN
-    manifest["spec"]["engine"]["extraArgs"] = EXTRA_ARGS
-    manifest["spec"]["pools"]["decode"]["replicas"] = 2
+    spec = manifest["spec"]
+    spec["model"]["maxModelLen"] = MAX_MODEL_LEN
+    spec["engine"]["extraArgs"] = EXTRA_ARGS
+    spec["pools"]["decode"]["replicas"] = 2
+    spec["pools"]["prefill"] = {"replicas": 1}
+    spec["router"]["prefillThresholdTokens"] = 16
     proc, urls = launch(tmp_path_factory.mktemp("up-whisper"), manifest,
-                        ["whisper-demo-encoder-0", *DECODE_PODS])
+                        ["whisper-demo-encoder-0", PREFILL_POD, *DECODE_PODS])
     try:
         yield proc, urls
     finally:
@@ -117,6 +121,7 @@ def whisper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, di
 
 
 DECODE_PODS = ["whisper-demo-decode-0", "whisper-demo-decode-1"]
+PREFILL_POD = "whisper-demo-prefill-0"
 
 
 def decode_total(urls: dict[str, str], name: str) -> float:
@@ -142,10 +147,10 @@ def tone(seconds: float, hz: float, rate: int = 16000) -> np.ndarray:
     return (0.3 * np.sin(2 * np.pi * hz * t)).astype(np.float32)
 
 
-def transcribe(url: str, data: bytes) -> str:
+def transcribe(url: str, data: bytes, **fields: str) -> str:
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
     return client.audio.transcriptions.create(model="whisper", file=("a.wav", data),
-                                              language="en").text
+                                              language="en", **fields).text
 
 
 def test_a_transcription_is_encoded_on_the_encoder_pod_and_pulled_by_the_decode_pod(
@@ -211,6 +216,32 @@ def test_a_streamed_transcription_comes_through_the_pools_event_by_event(
     (done,) = [e for e in events if e.type == "transcript.text.done"]
     assert len(deltas) > 1 and "".join(deltas) == done.text
     assert done.text == transcribe(router, data)
+
+
+def test_a_long_previous_text_goes_encoder_then_prefill_then_decode(
+        whisper: tuple[Proc, dict[str, str]]) -> None:
+    """The prefill pod pulls the encoder pod's cross blocks and computes the decoder prompt;
+    the decode pod pulls both; the transcript is the one a decode pod gives by itself."""
+    proc, urls = whisper
+    router, prefill = router_url(proc), urls[PREFILL_POD]
+    prompt = "these are the words the speaker said before this part of the recording began"
+    samples = tone(1.2, 550)
+    before = decode_total(urls, "kvferry:kv_transfer_bytes_total")
+    cross_before = decode_total(urls, "kvferry:cross_attention_bytes_pulled_total")
+    through_pools = transcribe(router, wav(samples, 16000), prompt=prompt)
+    assert metric(prefill, "kvferry:cross_attention_bytes_pulled_total") > 0
+    assert metric(prefill, "kvferry:encoder_tokens_total") == 0
+    pulled = decode_total(urls, "kvferry:kv_transfer_bytes_total") - before
+    cross = decode_total(urls, "kvferry:cross_attention_bytes_pulled_total") - cross_before
+    assert pulled > cross > 0  # the decoder prompt's blocks came with the cross blocks
+    assert metric(router, "kvferry:router_pod_chosen_total", pool="prefill") == 1
+    # A short previous text skips the prefill pool.
+    transcribe(router, wav(tone(0.8, 300), 16000), prompt="a few words")
+    assert metric(router, "kvferry:router_prefill_skips_total", reason="short_prompt") >= 1
+    assert metric(router, "kvferry:router_pod_chosen_total", pool="prefill") == 1
+    locally = transcribe(urls[DECODE_PODS[1]], wav(samples, 16000, note=b"on its own"),
+                         prompt=prompt)
+    assert through_pools == locally and through_pools
 
 
 # ---------------------------------------------------------------------------- BART

@@ -52,6 +52,7 @@ def render_config_map(spec: InferenceServiceSpec) -> dict[str, Any]:
         "KVFERRY_KV_LEASE_SECONDS": str(spec.kv_transfer.lease_seconds),
         "KVFERRY_KV_FAILURE_POLICY": spec.kv_transfer.failure_policy,
         "KVFERRY_DRAIN_SECONDS": str(spec.engine.drain_seconds),
+        "KVFERRY_PREFILL_THRESHOLD": str(spec.router.prefill_threshold_tokens),
     }
     for pool, policy in spec.router.routing.items():
         data[f"KVFERRY_ROUTING_{pool.upper()}"] = policy

@@ -151,6 +151,8 @@ class RouterSpec:
     routing: dict[str, str]  # pool name -> policy, for the pools that exist
     api_key_secret: SecretKeyRef | None
     pod: PodOverrides
+    # The prefill hop is skipped for fewer uncached prompt tokens than this.
+    prefill_threshold_tokens: int = 256
 
 
 @dataclass(frozen=True)
@@ -376,6 +378,7 @@ def _router(r: dict[str, Any], pools: dict[str, PoolSpec]) -> RouterSpec:
         routing=routing,
         api_key_secret=_secret_ref(r.get("apiKeySecret")),
         pod=_pod_overrides(r),
+        prefill_threshold_tokens=r.get("prefillThresholdTokens", 256),
     )
 
 

@@ -51,10 +51,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the service's KV transfer key (at least "
                              f"{MIN_KEY_BYTES} bytes; default ${KEY_ENV}): pod records and KV "
                              "events in Redis that its pods did not sign with it are ignored")
-    parser.add_argument("--prefill-threshold", type=int, default=256, metavar="TOKENS",
+    # A string default goes through `type`, so a bad $KVFERRY_PREFILL_THRESHOLD is a usage
+    # error.
+    parser.add_argument("--prefill-threshold", type=int, metavar="TOKENS",
+                        default=os.environ.get("KVFERRY_PREFILL_THRESHOLD") or "256",
                         help="skip the prefill hop when fewer prompt tokens than this are not "
                              "cached on the decode pod the decode policy picks (by the router's "
-                             "prefix index, whatever the policy)")
+                             "prefix index, whatever the policy); for an encoder-decoder model, "
+                             "when its decoder prompt is shorter (default "
+                             "$KVFERRY_PREFILL_THRESHOLD, the service's "
+                             "spec.router.prefillThresholdTokens, or 256)")
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, metavar="N",
                         help="answer 413 to a request body larger than N bytes, before "
                              "reading it")

@@ -138,6 +138,31 @@ def test_the_drain_timeout_comes_from_the_flag_or_the_pods_drain(
         settings_from_args(build_parser(negative).parse_args(negative), env)
 
 
+def test_the_prefill_threshold_comes_from_the_flag_or_the_services_config_map(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator's ConfigMap (spec.router.prefillThresholdTokens) reaches the router as
+    the variable the router reads."""
+    from kvferry.operator.render import render_config_map
+    from kvferry.operator.spec import parse_spec
+
+    manifest = {"apiVersion": "kvferry.dev/v1alpha1", "kind": "InferenceService",
+                "metadata": {"name": "s", "namespace": "default"},
+                "spec": {"model": {"source": "demo"}, "pools": {"decode": {}},
+                         "router": {"prefillThresholdTokens": 40}}}
+    data = render_config_map(parse_spec(manifest))["data"]
+    env = {"KVFERRY_REDIS_URL": "redis://r:6379/0"}
+    plain = ["router", "--service", "s"]
+    assert settings_from_args(build_parser(plain).parse_args(plain),
+                              env).prefill_threshold_tokens == 256
+    for name, value in data.items():
+        monkeypatch.setenv(name, value)
+    assert settings_from_args(build_parser(plain).parse_args(plain),
+                              env).prefill_threshold_tokens == 40
+    flagged = [*plain, "--prefill-threshold", "8"]
+    assert settings_from_args(build_parser(flagged).parse_args(flagged),
+                              env).prefill_threshold_tokens == 8
+
+
 def test_the_transfer_key_comes_from_the_flag_or_the_environment(tmp_path: Path) -> None:
     parser = build_parser(["router"])
     env = {"KVFERRY_REDIS_URL": "redis://r:6379/0"}
