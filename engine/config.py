@@ -177,12 +177,6 @@ class ParallelConfig:
                      for c in partition),
                  f"pp_layer_partition must hold layer counts >= 1, got {partition}")
 
-    def check_supported(self) -> None:
-        """ValueError for what cannot run yet: tensor parallelism."""
-        _require(self.tensor_parallel_size == 1,
-                 f"tensor parallelism is not available yet: tensor_parallel_size must be 1, "
-                 f"got {self.tensor_parallel_size}")
-
     @property
     def world_size(self) -> int:
         """Worker processes the engine starts (none when it is 1: the core runs the model)."""

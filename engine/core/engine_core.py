@@ -69,7 +69,6 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        config.parallel.check_supported()
         model_cfg, cache_cfg, sched_cfg = config.model, config.cache, config.scheduler
         self.device = resolve_device(config.device)
         torch.manual_seed(model_cfg.seed)
@@ -87,7 +86,7 @@ class EngineCore:
         # the stages' worker processes (engine/executor/pipeline.py), and then no runner.
         self.runner: ModelRunner | None = None
         self.executor: Executor
-        if config.parallel.pipeline_parallel_size > 1:
+        if config.parallel.world_size > 1:
             pipeline = self._start_pipeline()
             self.executor = pipeline
             num_blocks = pipeline.num_blocks()
@@ -188,13 +187,15 @@ class EngineCore:
         from kvferry.engine.executor.pipeline import PipelineExecutor
 
         config, sched_cfg = self.config, self.config.scheduler
-        size = config.parallel.pipeline_parallel_size
+        parallel = config.parallel
+        sizes = (f"pipeline_parallel_size {parallel.pipeline_parallel_size} and "
+                 f"tensor_parallel_size {parallel.tensor_parallel_size}")
         if config.kv_transfer is not None:
-            raise ValueError(f"KV transfer (--role prefill/decode/encoder) with "
-                             f"pipeline_parallel_size {size} is not available yet")
+            raise ValueError(f"KV transfer (--role prefill/decode/encoder) with {sizes} is "
+                             "not available yet")
         if sched_cfg.async_scheduling:
-            raise ValueError(f"async_scheduling with pipeline_parallel_size {size} is not "
-                             "available yet: the stages overlap microbatches instead")
+            raise ValueError(f"async_scheduling with {sizes} is not available yet: the "
+                             "stages overlap microbatches instead")
         pipeline = PipelineExecutor(
             self.model_dir, self.arch, self.dtype, self.device, config.cache, config.parallel,
             max_num_reqs=sched_cfg.max_num_seqs, max_model_len=self.max_model_len,

@@ -49,6 +49,10 @@ class StageStart:
     # GPU: what the KV cache may take of the device (the profiling step measures it).
     gpu_memory_utilization: float
     log_level: int
+    # This worker's rank in its stage's tensor-parallel group, and the group's size. The
+    # process group's rank of (stage s, tp rank t) is s * tp_size + t.
+    tp_rank: int = 0
+    tp_size: int = 1
 
 
 @dataclass(frozen=True)

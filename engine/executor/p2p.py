@@ -25,6 +25,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 from kvferry.engine.executor.partition import PipelineStage
+from kvferry.engine.layers.tensor_parallel import TensorParallel
 
 # Header kinds.
 TENSORS = 0
@@ -53,14 +54,18 @@ class StageLink:
     """One stage's channels to the stage before it and the stage after it."""
 
     def __init__(self, stage: PipelineStage, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, tp: TensorParallel | None = None) -> None:
         self.stage = stage
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.device = device
-        # Ranks are stage indices (one rank per stage).
-        self.prev_rank = None if stage.is_first else stage.index - 1
-        self.next_rank = None if stage.is_last else stage.index + 1
+        # Rank of (stage s, tensor-parallel rank t): s * T + t. Every tensor-parallel rank
+        # holds the whole hidden states (after its layers' all-reduce), so rank t talks to
+        # rank t of the stages on either side.
+        tp = tp or TensorParallel()
+        rank = stage.index * tp.size + tp.rank
+        self.prev_rank = None if stage.is_first else rank - tp.size
+        self.next_rank = None if stage.is_last else rank + tp.size
         self._pending: deque[tuple[dist.Work, tuple[torch.Tensor, ...]]] = deque()
 
     # ------------------------------------------------------------------ receive

@@ -18,6 +18,15 @@ with a `PipelineStageError` naming its stage; `shutdown` reaps every process.
 Tokens sampled by the last stage reach the stages before it with the next `StepRequest`
 (`new_token_ids`), which the core can only submit after reading them: a decode is in at
 most one microbatch in flight.
+
+With tensor parallelism (T > 1) each stage is T workers, each holding its shard of the
+stage's layers (engine/layers/tensor_parallel.py) and all-reducing within its stage's group;
+every worker gets every message, rank t of a stage sends its hidden states to rank t of
+the next, and rank 0 of the last stage samples (it alone gets the grammar bitmask), hands
+the tokens to its group and answers. Pipeline size 1 with T > 1 is tensor parallelism alone.
+A step that fails on some ranks of a group and not others would leave the others waiting
+in a collective: only a failure that every rank meets alike (its inputs) or that rank 0
+tells the others of (sampling) fails just the step.
 """
 
 from __future__ import annotations
@@ -62,7 +71,7 @@ from kvferry.engine.executor.messages import (
 from kvferry.engine.executor.partition import PipelineStage, pipeline_stages
 from kvferry.engine.executor.worker import recv_message, run_worker, send_message
 from kvferry.engine.models.config import ModelArchConfig
-from kvferry.engine.models.loader import check_pipeline_support
+from kvferry.engine.models.loader import check_pipeline_support, check_tensor_parallel_support
 from kvferry.engine.runner.model_runner import num_blocks_in_budget
 
 if TYPE_CHECKING:
@@ -94,6 +103,8 @@ class _Worker:
     stage: PipelineStage
     process: BaseProcess
     conn: Connection
+    # Its rank in the stage's tensor-parallel group.
+    tp_rank: int = 0
     # Pickled messages (or a step and its grammar bitmask) for the sender thread; None
     # stops it.
     outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
@@ -119,12 +130,14 @@ class PipelineExecutor(Executor):
         seed: int = 0,
     ) -> None:
         num_stages = parallel.pipeline_parallel_size
+        self.tp_size = parallel.tensor_parallel_size
         # Enough microbatches in flight to keep every stage busy.
         self.max_concurrent_batches = num_stages
         check_pipeline_support(arch, num_stages)
+        check_tensor_parallel_support(arch, self.tp_size)
         self.stages = pipeline_stages(arch.num_layers, num_stages, parallel.pp_layer_partition)
         self.cache = cache
-        devices = stage_devices(device, num_stages)
+        devices = stage_devices(device, num_stages * self.tp_size)
         self._rendezvous_dir = tempfile.mkdtemp(prefix="kvferry-pp-")
         self.workers: list[_Worker] = []
         self._lock = threading.Lock()
@@ -146,12 +159,13 @@ class PipelineExecutor(Executor):
         try:
             self._start_workers(model_dir, dtype, devices, cache, StageSettings(
                 max_num_reqs, max_model_len, max_num_batched_tokens, attention_backend,
-                seed, num_threads=max(1, torch.get_num_threads() // num_stages)))
+                seed, num_threads=max(1, torch.get_num_threads() // len(devices))))
             self.ready: list[StageReady] = self._expect_from_all(StageReady)
         except BaseException:
             self.shutdown()
             raise
-        logger.info("pipeline of %d stages ready: layers %s", num_stages,
+        logger.info("pipeline of %d stages of %d tensor-parallel ranks ready: layers %s",
+                    num_stages, self.tp_size,
                     [(s.start_layer, s.end_layer) for s in self.stages])
 
     # ------------------------------------------------------------------ start
@@ -160,13 +174,15 @@ class PipelineExecutor(Executor):
         context = get_context("spawn")
         init_method = f"file://{os.path.join(self._rendezvous_dir, 'rendezvous')}"
         backend = "nccl" if devices[0].type == "cuda" else "gloo"
-        for stage, device in zip(self.stages, devices):
+        places = [(stage, tp_rank) for stage in self.stages for tp_rank in range(self.tp_size)]
+        for (stage, tp_rank), device in zip(places, devices):
             ours, theirs = context.Pipe(duplex=True)
             process = context.Process(target=run_worker, args=(theirs, os.getpid()),
-                                      name=f"kvferry-pp-stage-{stage.index}", daemon=True)
+                                      name=f"kvferry-pp-stage-{stage.index}-tp-{tp_rank}",
+                                      daemon=True)
             process.start()
             theirs.close()
-            self.workers.append(_Worker(stage, process, ours))
+            self.workers.append(_Worker(stage, process, ours, tp_rank))
             send_message(ours, StageStart(
                 stage=stage, model_dir=str(model_dir), dtype=str(dtype).removeprefix("torch."),
                 device=str(device), cache=cache, max_num_reqs=settings.max_num_reqs,
@@ -177,14 +193,15 @@ class PipelineExecutor(Executor):
                 num_threads=settings.num_threads,
                 gpu_memory_utilization=cache.gpu_memory_utilization,
                 log_level=logging.getLogger().getEffectiveLevel(),
+                tp_rank=tp_rank, tp_size=self.tp_size,
             ))
 
     def _expect_from_all(self, kind: type) -> list:
-        """Every worker's next message, which must be a `kind`, in stage order;
+        """Every worker's next message, which must be a `kind`, in the workers' order;
         PipelineStageError as soon as one reports a failure or dies (its neighbours may
         be waiting for it, so every process is watched at once)."""
         answers: dict[int, object] = {}
-        conns = {w.conn: w for w in self.workers}
+        conns = {w.conn: i for i, w in enumerate(self.workers)}
         sentinels = {w.process.sentinel: w for w in self.workers}
         while len(answers) < len(self.workers):
             for handle in wait([*conns, *sentinels]):
@@ -192,8 +209,8 @@ class PipelineExecutor(Executor):
                     worker = sentinels[handle]  # type: ignore[index]
                     worker.process.join(KILL_GRACE_S)
                     raise PipelineStageError(worker.stage.index, _death_message(worker))
-                worker = conns.pop(handle)  # type: ignore[arg-type]
-                answers[worker.stage.index] = self._check_answer(worker, kind)
+                position = conns.pop(handle)  # type: ignore[arg-type]
+                answers[position] = self._check_answer(self.workers[position], kind)
         return [answers[i] for i in range(len(self.workers))]
 
     def _check_answer(self, worker: _Worker, kind: type) -> object:
@@ -258,15 +275,19 @@ class PipelineExecutor(Executor):
             self._next_step_id += 1
             self._unsent_tokens = {}
             self._futures[step_id] = future
-            for worker in self.workers[:-1]:
-                worker.outbox.put(payload)
-            last = self.workers[-1].outbox
-            if grammar_bitmask is None:
-                last.put(payload)
-            else:  # its rows are copied as soon as they are filled, and sent then
-                last.put((payload, step_id, grammar_bitmask.req_ids,
-                          grammar_bitmask.copy_when_filled()))
+            answering = self._answering_worker
+            for worker in self.workers:
+                if worker is not answering or grammar_bitmask is None:
+                    worker.outbox.put(payload)
+                else:  # its rows are copied as soon as they are filled, and sent then
+                    worker.outbox.put((payload, step_id, grammar_bitmask.req_ids,
+                                       grammar_bitmask.copy_when_filled()))
         return future
+
+    @property
+    def _answering_worker(self) -> _Worker:
+        """Rank 0 of the last stage: it samples, is sent the grammar bitmasks, answers."""
+        return self.workers[-self.tp_size]
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
@@ -435,16 +456,16 @@ class StageSettings:
     num_threads: int
 
 
-def stage_devices(device: torch.device, num_stages: int) -> list[torch.device]:
-    """Stage s runs on `cuda:s` on GPUs (ValueError when fewer are visible), on the CPU
-    otherwise."""
+def stage_devices(device: torch.device, num_workers: int) -> list[torch.device]:
+    """Worker w (stage s, tensor-parallel rank t: w = s * T + t) runs on `cuda:w` on GPUs
+    (ValueError when fewer are visible), on the CPU otherwise."""
     if device.type != "cuda":
-        return [torch.device("cpu")] * num_stages
+        return [torch.device("cpu")] * num_workers
     visible = torch.cuda.device_count()
-    if visible < num_stages:
-        raise ValueError(f"pipeline_parallel_size {num_stages} needs {num_stages} GPUs, one "
-                         f"per stage; {visible} visible")
-    return [torch.device("cuda", i) for i in range(num_stages)]
+    if visible < num_workers:
+        raise ValueError(f"pipeline_parallel_size x tensor_parallel_size = {num_workers} "
+                         f"needs {num_workers} GPUs, one per worker; {visible} visible")
+    return [torch.device("cuda", i) for i in range(num_workers)]
 
 
 def _send_loop(worker: _Worker) -> None:
@@ -502,4 +523,5 @@ def _death_message(worker: _Worker) -> str:
         how = f"was killed by {signal.Signals(-code).name}"
     else:
         how = f"exited with status {code}"
-    return f"pipeline stage {worker.stage.index} (pid {pid}) {how}"
+    rank = f" tensor-parallel rank {worker.tp_rank}" if worker.tp_rank else ""
+    return f"pipeline stage {worker.stage.index}{rank} (pid {pid}) {how}"

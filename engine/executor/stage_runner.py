@@ -27,16 +27,20 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from kvferry.engine.attention import AttentionMetadata
 from kvferry.engine.config import CacheConfig
 from kvferry.engine.core.scheduler_output import ModelRunnerOutput
 from kvferry.engine.executor.messages import StepRequest
 from kvferry.engine.executor.p2p import StageLink, StagesOutOfStep, UpstreamStepFailed
 from kvferry.engine.executor.partition import PipelineStage
+from kvferry.engine.layers.tensor_parallel import TensorParallel
 from kvferry.engine.models.config import ModelArchConfig
+from kvferry.engine.runner.async_output import ForwardPass
 from kvferry.engine.runner.model_runner import ModelRunner
 from kvferry.engine.runner.prepare_inputs import PreparedInputs
 from kvferry.engine.runner.step_staging import StepTensors
+from kvferry.engine.sample.sampler import SamplerOutput
 
 if TYPE_CHECKING:
     from kvferry.engine.structured_output.manager import GrammarBitmask
@@ -70,11 +74,12 @@ class StageRunner(ModelRunner):
         max_model_len: int,
         max_num_batched_tokens: int,
         attention_backend: str = "auto",
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__(model_dir, arch, dtype, device, cache, max_num_reqs=max_num_reqs,
                          max_model_len=max_model_len,
                          max_num_batched_tokens=max_num_batched_tokens,
-                         attention_backend=attention_backend, stage=stage)
+                         attention_backend=attention_backend, stage=stage, tp=tp)
         self.pipeline_stage = stage
         self.link = link
         # The microbatch being computed, and whether its input was received and its
@@ -152,6 +157,35 @@ class StageRunner(ModelRunner):
         self.link.send(self._step_id, out)  # type: ignore[arg-type]
         self._sent = True
         return None
+
+    def _sample(self, forward: ForwardPass,
+                grammar_bitmask: GrammarBitmask | None) -> SamplerOutput:
+        """With tensor parallelism, rank 0 samples (it alone is sent the grammar bitmask)
+        and hands the tokens to the other ranks of the last stage, which record them in
+        their batches as it does: every rank's next inputs are the same."""
+        tp = self.tp
+        if tp.size == 1:
+            return super()._sample(forward, grammar_bitmask)
+        num_rows = len(forward.rows)
+        # [ok, token ids...]: a failed sample still reaches the other ranks, which fail
+        # the step with it instead of waiting.
+        message = torch.zeros(num_rows + 1, dtype=torch.int64, device=self.device)
+        source = self.pipeline_stage.index * tp.size
+        if tp.rank == 0:
+            try:
+                output = super()._sample(forward, grammar_bitmask)
+            except Exception:
+                dist.broadcast(message, src=source, group=tp.group)
+                raise
+            message[0] = 1
+            message[1:] = output.sampled_token_ids
+            dist.broadcast(message, src=source, group=tp.group)
+            return output
+        dist.broadcast(message, src=source, group=tp.group)
+        if not int(message[0]):
+            raise RuntimeError(f"sampling failed on tensor-parallel rank 0 of stage "
+                               f"{self.pipeline_stage.index}")
+        return SamplerOutput(message[1:].clone(), None)
 
     def _pass_failure_on(self, failure: StageStepFailed) -> None:
         """A failed microbatch still takes its input from the previous stage and tells the

@@ -1,5 +1,6 @@
-"""A pipeline stage's worker process: join the process group, load the stage, then run
-the messages of the core in order (messages.py) until told to stop.
+"""A pipeline stage's worker process: join the process group, load the stage (with tensor
+parallelism, this rank's shard of it), then run the messages of the core in order
+(messages.py) until told to stop.
 
 Only the last stage answers steps. A step that fails on this stage, or upstream, is
 answered by the last stage with `StepFailed` and the worker goes on; anything else that
@@ -21,6 +22,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 import torch
+import torch.distributed as dist
 from kvferry.engine.executor.messages import (
     InitializeKVCache,
     KVCacheReady,
@@ -36,7 +38,9 @@ from kvferry.engine.executor.messages import (
     StepFailed,
     StepRequest,
 )
+from kvferry.engine.executor.partition import PipelineStage
 from kvferry.engine.executor.stage_runner import StageRunner, StageStepFailed
+from kvferry.engine.layers.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +97,10 @@ class StageWorker:
         self.runner = runner
         self.conn = conn
         self.stage = runner.pipeline_stage
+        # A stage's tensor-parallel rank 0 speaks for it: the last stage's answers steps
+        # (and is sent their grammar bitmasks); each stage's reports its timing.
+        self.speaks = runner.tp.rank == 0
+        self.answers = self.stage.is_last and self.speaks
 
     def run(self) -> None:
         while True:
@@ -115,7 +123,7 @@ class StageWorker:
     def _step(self, request: StepRequest) -> None:
         started = time.monotonic()
         bitmask = None
-        if request.has_grammar_bitmask and self.stage.is_last:
+        if request.has_grammar_bitmask and self.answers:
             bitmask = PendingBitmask(self.conn, request.step_id)
         answer: StepDone | StepFailed
         try:
@@ -126,9 +134,10 @@ class StageWorker:
         finally:
             if bitmask is not None:
                 bitmask.consume()
-        send_message(self.conn, StageTiming(request.step_id, self.stage.index, started,
-                                            time.monotonic(), self.runner.recv_wait_s))
-        if self.stage.is_last:
+        if self.speaks:
+            send_message(self.conn, StageTiming(request.step_id, self.stage.index, started,
+                                                time.monotonic(), self.runner.recv_wait_s))
+        if self.answers:
             send_message(self.conn, answer)
 
 
@@ -154,7 +163,6 @@ def run_worker(conn: Connection, parent_pid: int) -> None:
 
 
 def _serve(start: StageStart, conn: Connection) -> int:
-    import torch.distributed as dist
 
     index = start.stage.index
     try:
@@ -181,7 +189,6 @@ def _serve(start: StageStart, conn: Connection) -> int:
 
 def _start_stage(start: StageStart, conn: Connection) -> StageRunner:
     """Joins the process group, loads the stage (and on a GPU profiles it), reports ready."""
-    import torch.distributed as dist
     from kvferry.engine.executor.p2p import StageLink
     from kvferry.engine.models.config import ModelArchConfig
     from kvferry.engine.models.loader import resolve_dtype
@@ -196,24 +203,42 @@ def _start_stage(start: StageStart, conn: Connection) -> StageRunner:
         # The stages are processes of one machine: gloo over loopback, not over whatever
         # address the host name resolves to.
         os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    tp_size = start.tp_size
     dist.init_process_group(start.dist_backend, init_method=start.dist_init_method,
-                            rank=stage.index, world_size=stage.num_stages)
+                            rank=stage.index * tp_size + start.tp_rank,
+                            world_size=stage.num_stages * tp_size)
+    tp = TensorParallel(start.tp_rank, tp_size, _tensor_parallel_group(stage, tp_size))
     arch = ModelArchConfig.from_pretrained(start.model_dir)
     dtype = resolve_dtype(start.dtype, arch, device)
-    link = StageLink(stage, arch.hidden_size, dtype, device)
+    link = StageLink(stage, arch.hidden_size, dtype, device, tp)
     runner = StageRunner(
         start.model_dir, arch, dtype, device, start.cache, stage, link,
         max_num_reqs=start.max_num_reqs, max_model_len=start.max_model_len,
         max_num_batched_tokens=start.max_num_batched_tokens,
-        attention_backend=start.attention_backend,
+        attention_backend=start.attention_backend, tp=tp,
     )
     budget = None
     if start.cache.num_gpu_blocks_override is None:
         budget = runner.measure_kv_cache_budget(start.gpu_memory_utilization,
                                                 start.max_num_reqs)
-    block_bytes = kv_cache_block_bytes(arch, start.cache.block_size, dtype, stage.num_layers)
+    block_bytes = kv_cache_block_bytes(arch, start.cache.block_size, dtype, stage.num_layers,
+                                       runner.num_kv_heads)
     send_message(conn, StageReady(stage.index, block_bytes, budget))
     return runner
+
+
+def _tensor_parallel_group(stage: PipelineStage, tp_size: int) -> dist.ProcessGroup | None:
+    """The process group of this stage's tensor-parallel ranks (None without tensor
+    parallelism). Every process creates every stage's group, in stage order, as
+    torch.distributed requires, and keeps its own."""
+    if tp_size == 1:
+        return None
+    ours = None
+    for index in range(stage.num_stages):
+        group = dist.new_group(list(range(index * tp_size, (index + 1) * tp_size)))
+        if index == stage.index:
+            ours = group
+    return ours
 
 
 def _loopback_interface() -> str | None:

@@ -31,7 +31,8 @@ class LLM:
             print(out.prompt, "->", out.outputs[0].text)
 
     With `pipeline_parallel_size` P > 1 the model's layers are split over P worker
-    processes (multiprocessing spawn: a script that makes such an `LLM` at import time
+    processes, and with `tensor_parallel_size` T > 1 each stage's layers over T of them
+    (P x T workers; multiprocessing spawn: a script that makes such an `LLM` at import time
     needs the `if __name__ == "__main__":` guard); `shutdown()` stops them, as does the
     interpreter's exit.
     """

@@ -22,7 +22,7 @@ import torch
 from kvferry.engine.attention.backend import AttentionBackend
 from kvferry.engine.executor.partition import PipelineStage
 from kvferry.engine.layers.linear import Linear, prepack_linear_weights
-from kvferry.engine.layers.tensor_parallel import TensorParallel
+from kvferry.engine.layers.tensor_parallel import TensorParallel, shard_heads
 from kvferry.engine.models.checkpoint import checkpoint_files
 from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.models.registry import get_model_class
@@ -174,15 +174,23 @@ def load_model(
         check_pipeline_support(config, stage.num_stages)
     kwargs: dict[str, object] = {} if stage is None else {"stage": stage}
     if tp is not None and tp.size > 1:
-        if not getattr(model_class, "supports_tensor_parallel", False):
-            raise ValueError(f"{config.architecture} has no tensor parallelism: "
-                             f"tensor_parallel_size must be 1, got {tp.size}")
+        check_tensor_parallel_support(config, tp.size)
         kwargs["tp"] = tp
     with torch.device(device):
         model = model_class(config, attn_backend, dtype, **kwargs)
     load_weights(model, model_dir)
     prepack_linear_weights(model)
     return model.eval()
+
+
+def check_tensor_parallel_support(config: ModelArchConfig, tp_size: int) -> None:
+    """ValueError unless the checkpoint's model can be split over `tp_size` ranks."""
+    if tp_size == 1:
+        return
+    if not getattr(get_model_class(config.architecture), "supports_tensor_parallel", False):
+        raise ValueError(f"{config.architecture} has no tensor parallelism: "
+                         f"tensor_parallel_size must be 1, got {tp_size}")
+    shard_heads(config.num_heads, config.num_kv_heads, TensorParallel(0, tp_size))
 
 
 def check_pipeline_support(config: ModelArchConfig, pp_size: int) -> None:

@@ -24,6 +24,7 @@ from kvferry.engine.core.scheduler_output import (
     SchedulerOutput,
 )
 from kvferry.engine.executor.partition import PipelineStage
+from kvferry.engine.layers.tensor_parallel import TensorParallel, shard_heads
 from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.models.encoder_decoder import EncoderBatch
 from kvferry.engine.models.loader import load_model
@@ -59,12 +60,14 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def kv_cache_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype,
-                         num_layers: int | None = None) -> int:
+                         num_layers: int | None = None, num_kv_heads: int | None = None) -> int:
     """Bytes of one block: every layer's keys and values for `block_size` tokens (of
-    `num_layers` layers, a pipeline stage's; default all of them)."""
+    `num_layers` layers, a pipeline stage's; of `num_kv_heads`, a tensor-parallel rank's;
+    default all of them)."""
     element_size = torch.empty((), dtype=dtype).element_size()
     layers = arch.num_layers if num_layers is None else num_layers
-    return layers * 2 * block_size * arch.num_kv_heads * arch.head_size * element_size
+    heads = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return layers * 2 * block_size * heads * arch.head_size * element_size
 
 
 def determine_num_blocks(
@@ -111,12 +114,18 @@ class ModelRunner:
         attention_backend: str = "auto",
         transfer_memory: bool = False,
         stage: PipelineStage | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         self.arch = arch
         # The pipeline stage this runner computes (pipeline parallelism, stage_runner.py);
         # None: the whole model. The KV cache holds the stage's layers only.
         self.stage = stage
         self.num_layers = arch.num_layers if stage is None else stage.num_layers
+        # This process's tensor-parallel rank: its model holds its shard of every layer,
+        # its KV cache its kv heads only.
+        self.tp = tp or TensorParallel()
+        self.num_kv_heads = (arch.num_kv_heads if self.tp.size == 1 else
+                             shard_heads(arch.num_heads, arch.num_kv_heads, self.tp).num_kv_heads)
         # The cache is registered with NIXL: allocate it where pulls read it fast.
         self._transfer_memory = transfer_memory
         self.device = device
@@ -124,7 +133,7 @@ class ModelRunner:
         if device.type == "cpu":
             keep_activation_memory()
         self.attn_backend = get_attention_backend(attention_backend, device)
-        self.model = load_model(model_dir, dtype, self.attn_backend, device, stage)
+        self.model = load_model(model_dir, dtype, self.attn_backend, device, stage, tp)
         self.dtype = dtype
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -158,7 +167,7 @@ class ModelRunner:
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         # Blocks outermost, so one block is one contiguous region across all layers.
         arch = self.arch
-        return (num_blocks, self.num_layers, 2, self.block_size, arch.num_kv_heads,
+        return (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads,
                 arch.head_size)
 
     def measure_kv_cache_budget(self, utilization: float, max_num_seqs: int,

@@ -112,7 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_http_limit_arguments(parser)
     parallel = parser.add_argument_group("parallelism and inputs")
     parallel.add_argument("--tensor-parallel-size", type=int, default=1,
-                          help="GPUs each layer is split over (only 1 for now)")
+                          help="tensor-parallel ranks each stage's layers are split over (heads, "
+                               "MLP columns, vocabulary), worker processes of one GPU each on a "
+                               "GPU machine (Llama-family models; --role both only for now)")
     parallel.add_argument("--pipeline-parallel-size", type=int, default=1,
                           help="pipeline stages: the layers are split over this many worker "
                                "processes, one GPU each on a GPU machine (--role both only "
@@ -173,16 +175,17 @@ def _int_env(environ: Mapping[str, str], name: str, low: int, high: int) -> int 
 
 def check_supported(args: argparse.Namespace) -> str | None:
     """Why this command line cannot run yet, or None."""
-    if args.tensor_parallel_size != 1:
-        return ("tensor parallelism is not available yet; --tensor-parallel-size must be 1, "
-                f"got {args.tensor_parallel_size}")
+    if args.tensor_parallel_size < 1:
+        return f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}"
     if args.pipeline_parallel_size < 1:
         return f"--pipeline-parallel-size must be >= 1, got {args.pipeline_parallel_size}"
-    if args.pipeline_parallel_size > 1 and args.role != "both":
-        return ("--pipeline-parallel-size > 1 serves --role both only: KV transfer between "
-                "pipeline-parallel pods is not available yet")
-    if args.pipeline_parallel_size > 1 and args.async_scheduling:
-        return "--async-scheduling with --pipeline-parallel-size > 1 is not available yet"
+    parallel = args.pipeline_parallel_size * args.tensor_parallel_size > 1
+    if parallel and args.role != "both":
+        return ("--pipeline-parallel-size or --tensor-parallel-size > 1 serves --role both "
+                "only: KV transfer between parallel pods is not available yet")
+    if parallel and args.async_scheduling:
+        return ("--async-scheduling with --pipeline-parallel-size or --tensor-parallel-size "
+                "> 1 is not available yet")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         return ("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call "
                 f"format: {', '.join(TOOL_CALL_PARSERS)})")

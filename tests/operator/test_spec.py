@@ -136,8 +136,13 @@ CEL_INVALID = [
      "spec.pools.decode.resources: nvidia.com/gpu must be at least engine.tensorParallelSize x "
      "engine.pipelineParallelSize"),
     ({**_with("engine", {"tensorParallelSize": 4}),
-      "pools": {"decode": {}, "prefill": {"resources": {"requests": {"nvidia.com/gpu": "2"}}}}},
-     "spec.pools.prefill.resources: nvidia.com/gpu must be at least"),
+      "pools": {"decode": {"resources": {"requests": {"nvidia.com/gpu": "2"}}}}},
+     "spec.pools.decode.resources: nvidia.com/gpu must be at least"),
+    ({**_with("engine", {"tensorParallelSize": 2}),
+      "pools": {"decode": {"resources": {"limits": {"nvidia.com/gpu": 2}}},
+                "prefill": {"resources": {"limits": {"nvidia.com/gpu": 2}}}}},
+     "spec.engine: engine.tensorParallelSize and engine.pipelineParallelSize above 1 serve a "
+     "colocated service only"),
     (_with("model.source", "hostpath:///"), "spec.model.source: hostpath:/// needs a normalized absolute path"),
     (_with("model.source", "hostpath:///mnt/../"), "spec.model.source: hostpath:/// needs"),
     (_with("model.source", "hostpath:////"), "spec.model.source: hostpath:/// needs"),

@@ -255,12 +255,18 @@ def test_what_a_pipeline_cannot_run_yet_is_refused_before_any_worker_starts(
                             parallel=ParallelConfig(pipeline_parallel_size=2), **fields)
 
     tensor = EngineConfig(model=ModelConfig(model=str(path)), device="cpu",
-                          parallel=ParallelConfig(tensor_parallel_size=2))
-    with pytest.raises(ValueError, match="tensor parallelism is not available yet: "
-                                         "tensor_parallel_size must be 1, got 2"):
+                          parallel=ParallelConfig(tensor_parallel_size=2),
+                          scheduler=SchedulerConfig(async_scheduling=True))
+    with pytest.raises(ValueError, match="async_scheduling with pipeline_parallel_size 1 and "
+                                         "tensor_parallel_size 2 is not available yet"):
         EngineCore(tensor)
-    with pytest.raises(ValueError, match="async_scheduling with pipeline_parallel_size 2 is "
-                                         "not available yet"):
+    bart_tp = EngineConfig(model=ModelConfig(model=str(make_bart_checkpoint(tmp_path / "b"))),
+                           device="cpu", parallel=ParallelConfig(tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="BartForConditionalGeneration has no tensor "
+                                         "parallelism: tensor_parallel_size must be 1, got 2"):
+        EngineCore(bart_tp)
+    with pytest.raises(ValueError, match="async_scheduling with pipeline_parallel_size 2 and "
+                                         "tensor_parallel_size 1 is not available yet"):
         EngineCore(config(path, scheduler=SchedulerConfig(async_scheduling=True)))
     with pytest.raises(ValueError, match="is an encoder-decoder model without pipeline "
                                          "parallelism"):

@@ -130,13 +130,19 @@ def test_every_role_runs() -> None:
     assert "--max-num-waiting" in check_supported(parse_serve([*base, "--max-num-waiting", "0"]))
 
 
-def test_pipeline_parallelism_runs_and_tensor_parallelism_is_refused() -> None:
+def test_pipeline_and_tensor_parallelism_run_with_role_both() -> None:
     base = ["kvferry", "serve", "--model", "demo"]
     args = parse_serve([*base, "--pipeline-parallel-size", "2"])
     assert check_supported(args) is None
     assert engine_config_from_args(args).parallel.pipeline_parallel_size == 2
-    assert check_supported(parse_serve([*base, "--tensor-parallel-size", "2"])) == (
-        "tensor parallelism is not available yet; --tensor-parallel-size must be 1, got 2")
+    args = parse_serve([*base, "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"])
+    assert check_supported(args) is None
+    assert engine_config_from_args(args).parallel.world_size == 4
+    assert check_supported(parse_serve([*base, "--tensor-parallel-size", "0"])) == (
+        "--tensor-parallel-size must be >= 1, got 0")
+    refused = check_supported(parse_serve([*base, "--tensor-parallel-size", "2",
+                                           "--role", "prefill"]))
+    assert refused is not None and "--role both only" in refused
     assert check_supported(parse_serve([*base, "--pipeline-parallel-size", "0"])) == (
         "--pipeline-parallel-size must be >= 1, got 0")
     refused = check_supported(parse_serve([*base, "--pipeline-parallel-size", "2",

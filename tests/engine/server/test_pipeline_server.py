@@ -97,6 +97,27 @@ def test_concurrent_requests_equal_the_single_process_engine(
     server.wait_metric("vllm:num_requests_running", 0.0)
 
 
+def test_tensor_parallel_serving_equals_the_single_process_engine(
+    server_factory: Callable[..., ServerProcess], model: Path, offline: LLM,
+) -> None:
+    """`--tensor-parallel-size 2`: two workers, each with half the heads, MLP columns and
+    vocabulary (4 query heads, 2 kv heads)."""
+    server = server_factory(model, "--served-model-name", "tiny",
+                            "--tensor-parallel-size", "2", api_key=API_KEY)
+    try:
+        client = client_of(server)
+        expected = [texts[0] for texts in offline_texts(offline, PROMPTS, temperature=0.0,
+                                                        max_tokens=10)]
+        assert server_texts(client, PROMPTS, temperature=0, max_tokens=10) == expected
+        [seeded] = offline_texts(offline, ["w5 w6 w7"], temperature=1.0, seed=3, n=2,
+                                 max_tokens=8)
+        assert server_texts(client, "w5 w6 w7", temperature=1.0, seed=3, n=2,
+                            max_tokens=8) == seeded
+        assert len(_stage_pids(server.engine_pid())) == 2
+    finally:
+        server.kill_group()
+
+
 # Last in the module: it ends the server.
 def test_a_killed_stage_fails_requests_and_the_server_exits_non_zero(
     server: ServerProcess,

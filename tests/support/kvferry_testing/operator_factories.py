@@ -89,9 +89,10 @@ def random_spec(rng: random.Random) -> dict[str, Any]:
         spec["engine"]["maxNumSeqs"] = rng.randint(1, 512)
         spec["engine"]["maxNumBatchedTokens"] = rng.choice([2048, 8192])
         spec["engine"]["imagePullSecrets"] = ["regcred"]
-    if rng.random() < 0.6:
+    # Tensor parallelism serves a colocated service only (the CRD refuses it with other pools).
+    if rng.random() < 0.6 and tensor_parallel == 1:
         spec["pools"]["prefill"] = _pool(rng, tensor_parallel)
-    if enc_dec and rng.random() < 0.7:
+    if enc_dec and rng.random() < 0.7 and tensor_parallel == 1:
         spec["pools"]["encoder"] = _pool(rng, tensor_parallel)
     if rng.random() < 0.5:
         spec["router"] = {"replicas": rng.randint(1, 3), "apiKeySecret": {"name": "keys"},
