@@ -1,8 +1,8 @@
 """Tensor parallelism through the whole engine on CPU (gloo, real worker processes):
 `tensor_parallel_size=2` alone, and 2 pipeline stages of 2 tensor-parallel ranks each,
 give the single-process engine's outputs token for token (greedy, seeded sampling,
-logprobs, prompt logprobs, chunked prefill, prefix hits, structured outputs whose bitmask
-only rank 0 of the last stage is sent). A killed rank ends the requests in flight with an
+logprobs, prompt logprobs, chunked prefill, prefix hits, preemption, structured outputs
+whose bitmask only rank 0 of the last stage is sent). A killed rank ends the requests in flight with an
 error."""
 
 from __future__ import annotations
@@ -121,6 +121,24 @@ def test_tensor_parallel_ranks_equal_the_single_process_engine(
     assert ours["prefix-b"].num_cached_tokens == 16
     assert ours["logprobs"].outputs[0].logprobs is not None
     assert all(w.process.exitcode == 0 for w in executor.workers)
+
+
+def test_preemption_under_tensor_parallelism_equals_the_single_process_engine(
+        single: LLMEngine, checkpoint: Path) -> None:
+    # Six requests growing to 40 tokens (10 blocks) each in 39 usable blocks.
+    def requests() -> list[Request]:
+        return [(f"r{i}", {"prompt_token_ids": list(range(20 + 9 * i, 40 + 9 * i))},
+                 greedy(20) if i % 2 else SamplingParams(
+                     temperature=1.0, seed=i, max_tokens=20, ignore_eos=True))
+                for i in range(6)]
+
+    engine = make_engine(checkpoint, 1, 2)
+    try:
+        ours = run(engine, requests())
+        assert engine.stats.scheduler.num_preemptions > 0
+    finally:
+        engine.shutdown()
+    assert_same_outputs(run(single, requests()), ours)
 
 
 def test_a_grammar_bitmask_reaches_the_rank_that_samples(demo_checkpoint: Path) -> None:
