@@ -17,6 +17,11 @@ time less its queue time). The ratio reported is disaggregated p99 inter-token l
 colocated's at the highest rate the colocated service sustains (its completions keep up
 with the arrivals); a PNG plots both.
 
+With `--pin`, each pod is pinned to a core of its own (round robin over the machine's
+cores) with one torch thread, as a pod with a CPU limit of 1 would run on a cluster, so
+that the encoder pod's work cannot land on the decode pod's core; by default the pods are
+left to the OS scheduler. The router, Redis and the client are never pinned.
+
     python benchmarks/encoder_disagg.py [--rates 0.25 0.5 1] [--num-requests 16]
     python benchmarks/encoder_disagg.py --quick     # a tiny model: a smoke run
 
@@ -29,6 +34,7 @@ import argparse
 import asyncio
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -116,15 +122,16 @@ def manifest(name: str, model: Path, disaggregated: bool, max_model_len: int) ->
 class Service:
     """`kvferry up -f` of a manifest, until stopped."""
 
-    def __init__(self, tmp: Path, spec: dict[str, Any]) -> None:
+    def __init__(self, tmp: Path, spec: dict[str, Any], pin: bool) -> None:
         path = tmp / f"{spec['metadata']['name']}.yaml"
         path.write_text(yaml.safe_dump(spec))
         self.port = _free_port()
         self.log_path = tmp / f"{spec['metadata']['name']}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"} if pin else None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvferry.cli", "up", "-f", str(path), "--port",
-             str(self.port)], stdout=self._log, stderr=subprocess.STDOUT)
+             str(self.port)], stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + START_TIMEOUT_S
         while "ready: http" not in self.log():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -132,6 +139,13 @@ class Service:
                 raise RuntimeError(f"kvferry up did not start:\n{self.log()[-4000:]}")
             time.sleep(0.5)
         self.pods = dict(re.findall(r"pod (\S+): (http://127\.0\.0\.1:\d+)", self.log()))
+        # Processes pinned, by pod.
+        self.pinned: dict[str, int] = {}
+        if pin:
+            cores = sorted(os.sched_getaffinity(0))
+            for i, name in enumerate(sorted(self.pods)):
+                self.pinned[name] = pin_pod(name, cores[i % len(cores)])
+            print(f"  pods pinned (processes each): {self.pinned}")
 
     @property
     def url(self) -> str:
@@ -152,6 +166,25 @@ class Service:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+def pin_pod(name: str, core: int) -> int:
+    """Every thread of every process of pod `name` (its server and engine-core processes:
+    those whose environment names the pod) onto `core`; how many processes."""
+    marker = f"KVFERRY_POD_NAME={name}".encode()
+    num_processes = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if marker not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            for task in (proc / "task").iterdir():
+                os.sched_setaffinity(int(task.name), {core})
+            num_processes += 1
+        except (OSError, ProcessLookupError):
+            continue  # gone, or not ours
+    return num_processes
 
 
 def _free_port() -> int:
@@ -279,6 +312,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--png", default="encoder_disagg.png")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--pin", action="store_true",
+                        help="pin each pod to a core of its own, with one torch thread")
     args = parser.parse_args()
     shape = shapes.QUICK_SHAPE if args.quick else shapes.FULL_SHAPE
     num = min(args.num_requests, 4) if args.quick else args.num_requests
@@ -292,10 +327,12 @@ def main() -> None:
         model = shapes.build_checkpoint(tmp / "whisper", shape, args.seed)
         runs: dict[str, list[RateResult]] = {}
         figures: tuple[float, float, float] = (float("nan"),) * 3
+        pinned: dict[str, int] = {}
         for name, disaggregated in (("colocated", False), ("disaggregated", True)):
             print(f"{name}:")
             service = Service(tmp, manifest(f"bench-{name}", model, disaggregated,
-                                            min(132, shape.max_target_positions)))
+                                            min(132, shape.max_target_positions)), args.pin)
+            pinned.update(service.pinned)
             try:
                 runs[name] = measure(service, clips, rates, args.seed)
                 if disaggregated:
@@ -325,6 +362,7 @@ def main() -> None:
         "target_pull_over_encode": TARGET_PULL_OVER_ENCODE,
         "pull_ms": round(pull_s * 1e3, 3), "encode_ms": round(encode_s * 1e3, 3),
         "colocated": table(colocated), "disaggregated": table(disagg), "png": args.png,
+        "pinned": args.pin, "pinned_processes": pinned,
     }))
 
 
