@@ -4,13 +4,11 @@ answer equals an engine that ran the encoder itself."""
 
 from __future__ import annotations
 
-import time
-
-import pytest
 from kvferry.engine.config import CacheConfig, EngineConfig, ModelConfig
 from kvferry.engine.frontend.llm_engine import LLMEngine
 from kvferry.kvtransfer.config import KVTransferConfig
 from kvferry_testing.encdec_checkpoints import make_bart_checkpoint
+from kvferry_testing.engine_runs import drain, run_one
 
 from kvferry import LLM, SamplingParams
 from kvferry.protocol.block_hash import hash_cross_blocks
@@ -30,13 +28,7 @@ def _engine(path, role: str) -> LLMEngine:
 
 
 def _run(engine: LLMEngine, request_id: str, params: SamplingParams, **kwargs):
-    engine.add_request(request_id, PROMPT, params, **kwargs)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        for output in engine.step():
-            if output.request_id == request_id and output.finished:
-                return output
-    pytest.fail(f"{request_id} did not finish")
+    return run_one(engine, request_id, PROMPT, params, **kwargs)
 
 
 def _cross_blocks(engine: LLMEngine, key: bytes, num_positions: int) -> list[int]:
@@ -72,9 +64,5 @@ def test_pulled_cross_blocks_equal_the_encoder_engines(tmp_path) -> None:
     expected = colocated.generate(PROMPT, greedy, use_tqdm=False)[0]
     assert answer.outputs[0].token_ids == expected.outputs[0].token_ids
     for engine in (encoder, decoder):
-        manager = engine.engine_core.kv_cache_manager
-        deadline = time.monotonic() + 15
-        while manager.num_free_blocks != 63 and time.monotonic() < deadline:
-            engine.step()
-        assert manager.num_free_blocks == 63
+        drain(engine)
         engine.engine_core.shutdown()

@@ -6,7 +6,6 @@ equals a colocated engine's, and every engine's blocks come back."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -15,6 +14,7 @@ from kvferry.engine.frontend.llm_engine import LLMEngine
 from kvferry.kvtransfer.config import KVTransferConfig
 from kvferry.kvtransfer.params import KVTransferParams
 from kvferry_testing.encdec_checkpoints import make_bart_checkpoint
+from kvferry_testing.engine_runs import drain, run_one
 
 from kvferry import LLM, SamplingParams
 from kvferry.protocol.block_hash import hash_cross_blocks
@@ -61,23 +61,13 @@ def expected(bart) -> list[int]:
 
 
 def _run(engine: LLMEngine, request_id: str, params: dict[str, Any]):
-    engine.add_request(request_id, PROMPT, GREEDY, kv_transfer_params=params)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        for output in engine.step():
-            if output.request_id == request_id and output.finished:
-                return output
-    pytest.fail(f"{request_id} did not finish")
+    return run_one(engine, request_id, PROMPT, GREEDY, kv_transfer_params=params)
 
 
 def _drain(*engines: LLMEngine) -> None:
-    """Steps each engine until its holds are pulled or freed; all blocks are free again."""
+    """Every engine's holds pulled or freed: all blocks free again."""
     for engine in engines:
-        manager = engine.engine_core.kv_cache_manager
-        deadline = time.monotonic() + 15
-        while manager.num_free_blocks != NUM_BLOCKS - 1 and time.monotonic() < deadline:
-            engine.step()
-        assert manager.num_free_blocks == NUM_BLOCKS - 1
+        drain(engine)
 
 
 def _chain(make) -> tuple[LLMEngine, LLMEngine, dict[str, Any], dict[str, Any]]:

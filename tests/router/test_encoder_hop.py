@@ -9,6 +9,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -266,25 +267,31 @@ def test_without_a_live_encoder_pod_the_decode_pod_encodes(audio: dict[str, Proc
 
 
 # ---------------------------------------------------------------------------- a prefill pool
-@pytest.fixture(scope="module")
-def audio_prefill(tmp_path_factory: pytest.TempPathFactory,
-                  redis_url: str) -> Iterator[dict[str, Proc]]:
-    """An audio model's encoder, prefill and decode pods; the prefill threshold 64 tokens
-    (the fake's /tokenize gives one token per word)."""
-    tmp = tmp_path_factory.mktemp("encpool-prefill")
-    service, args = "encpool-prefill", ("--encoder-input", "audio", "--max-encoder-len", "1500")
+def three_pools(tmp: Path, redis_url: str, service: str, encoder_input: str,
+                max_encoder_len: int, *router_flags: str) -> Iterator[dict[str, Proc]]:
+    """An encoder, a prefill and a decode pod of an encoder-decoder model, and the router."""
+    args = ("--encoder-input", encoder_input, "--max-encoder-len", str(max_encoder_len))
     procs: dict[str, Proc] = {}
     try:
         for role, name in (("encoder", "encoder-0"), ("prefill", "prefill-0"),
                            ("decode", "decode-0")):
             procs[name] = fake_engine(tmp, redis_url, service, role, name, args=args)
-        procs["router"] = router_process(tmp, redis_url, service, "--prefill-threshold", "64")
+        procs["router"] = router_process(tmp, redis_url, service, *router_flags)
         wait_pools(procs["router"], {"decode": ["decode-0"], "encoder": ["encoder-0"],
                                      "prefill": ["prefill-0"]})
         yield procs
     finally:
         for proc in procs.values():
             proc.stop()
+
+
+@pytest.fixture(scope="module")
+def audio_prefill(tmp_path_factory: pytest.TempPathFactory,
+                  redis_url: str) -> Iterator[dict[str, Proc]]:
+    """An audio model's three pools; the prefill threshold 64 tokens (the fake's /tokenize
+    gives one token per word)."""
+    yield from three_pools(tmp_path_factory.mktemp("encpool-prefill"), redis_url,
+                           "encpool-prefill", "audio", 1500, "--prefill-threshold", "64")
 
 
 LONG_PROMPT = " ".join(["earlier"] * 80)  # 80 words: 80 tokens by the fake's /tokenize
@@ -375,22 +382,10 @@ def test_without_an_encoder_hop_the_prefill_pod_encodes(audio_prefill: dict[str,
 # ---------------------------------------------------------------------------- BART-like
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[dict[str, Proc]]:
-    """A token encoder's encoder, prefill and decode pods; the router asks the pods'
-    /tokenize (the fake's token ids are its words' lengths)."""
-    tmp = tmp_path_factory.mktemp("encpool-tokens")
-    service, args = "encpool-tokens", ("--encoder-input", "tokens", "--max-encoder-len", "1024")
-    procs: dict[str, Proc] = {}
-    try:
-        for role, name in (("encoder", "encoder-0"), ("prefill", "prefill-0"),
-                           ("decode", "decode-0")):
-            procs[name] = fake_engine(tmp, redis_url, service, role, name, args=args)
-        procs["router"] = router_process(tmp, redis_url, service)
-        wait_pools(procs["router"], {"decode": ["decode-0"], "encoder": ["encoder-0"],
-                                     "prefill": ["prefill-0"]})
-        yield procs
-    finally:
-        for proc in procs.values():
-            proc.stop()
+    """A token encoder's three pools; the router asks the pods' /tokenize (the fake's token
+    ids are its words' lengths)."""
+    yield from three_pools(tmp_path_factory.mktemp("encpool-tokens"), redis_url,
+                           "encpool-tokens", "tokens", 1024)
 
 
 def complete(router: Proc, **body: Any) -> httpx.Response:
