@@ -142,8 +142,17 @@ def kv_transfer_config(
     reads them). ValueError when the KV host is not an address of this machine.
     """
     port = args.nixl_port if args.nixl_port is not None else nixl_port
-    if args.role == "both" and not args.kv_transfer and port is None:
-        return None
+    if args.role == "both" and not args.kv_transfer:
+        if port is None:
+            return None
+        parallel = getattr(args, "pipeline_parallel_size", 1) * getattr(
+            args, "tensor_parallel_size", 1)
+        if parallel > 1 and args.nixl_port is None:
+            # The service's side-channel port (the operator's ConfigMap) is for pods that
+            # transfer; a colocated parallel pod cannot yet, and needs none to serve.
+            logger.info("pipeline/tensor parallelism: this colocated pod takes part in no KV "
+                        "transfer (not available with parallelism yet)")
+            return None
     if transfer_key is not None and args.kv_transfer_insecure:
         raise ValueError(f"--kv-transfer-insecure and a KV transfer key (--kv-transfer-key-file "
                          f"or ${KEY_ENV}) exclude each other: drop one")

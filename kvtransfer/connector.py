@@ -224,14 +224,15 @@ class KVConnectorScheduler(KVConnectorSchedulerBase):
         """
         if params is None or not params.do_remote_prefill:
             return
-        refusal = self._refusal_of(req_id, params)
-        if refusal is not None:
-            if num_external_tokens:
-                self._refused[req_id] = TransferFailure(refusal.reason, refusal.message)
-            return
         # An encoder pod's hold is pulled into the cross table (group 1) when one is given;
         # without it (or with no tokens to pull otherwise) the request computes here.
         pulls_cross = params.is_cross_pull and len(block_ids) > 1
+        refusal = self._refusal_of(req_id, params)
+        if refusal is not None:
+            # A parked request (a pull planned) hears of it at the next get_finished.
+            if num_external_tokens or pulls_cross:
+                self._refused[req_id] = TransferFailure(refusal.reason, refusal.message)
+            return
         if num_external_tokens == 0 and not pulls_cross:
             self._keeper.release(req_id)
             return

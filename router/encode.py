@@ -271,8 +271,9 @@ class EncodeFlow:
             logger.warning("request %s: prefill hop failed, decoding without it: %s",
                            request_id, exc)
             metrics.prefill_fallbacks.labels("prefill_failed").inc()
-            # A pod that turned the hop away pulled nothing: the encoder's hold still stands.
-            return params if exc.status in REFUSED_STATUSES else None
+            # Pods that all turned the hop away pulled nothing: the encoder's hold still
+            # stands. One that took it may have pulled it: the decode pod encodes itself.
+            return params if exc.untaken else None
 
     async def _encode(self, request: EncoderRequest) -> dict[str, Any]:
         """The encoder pod's kv_transfer_params; HopError when no pod gave them,

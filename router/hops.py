@@ -23,6 +23,9 @@ from kvferry.router.policies import Choice
 
 # Statuses that mean "this pod cannot take it now", not "this request is wrong".
 RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
+# Of those, the ones a pod answers without having acted on the request (busy, or not
+# serving: loading or draining).
+TURNED_AWAY_STATUSES = frozenset({429, 503})
 
 
 class HopError(Exception):
@@ -30,14 +33,17 @@ class HopError(Exception):
 
     `pod_error`: the last pod's own error body (an OpenAI error object, as it sent it) when
     that pod answered with one; the client gets it unchanged, with the pod's status.
+    `untaken`: no pod acted on the request (each turned it away with 429/503, refused the
+    connection, or there was none), so nothing it names was used.
     """
 
     def __init__(self, message: str, status: int = 502, code: str = "bad_gateway",
-                 pod_error: bytes | None = None) -> None:
+                 pod_error: bytes | None = None, untaken: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.pod_error = pod_error
+        self.untaken = untaken
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,8 @@ class _Failure:
     # The pod's answer, when it gave one in OpenAI's error shape: its status and body.
     status: int | None = None
     body: bytes | None = None
+    # The pod never acted on the request (see HopError.untaken).
+    untaken: bool = False
 
 
 @dataclass
@@ -83,7 +91,8 @@ async def send_hop(client: PodClient, pods: PodDirectory, metrics: RouterMetrics
                    headers: dict[str, str], timeout: HopTimeout) -> HopResponse:
     """Sends `body` to a pod of `pool` chosen by `choose`; retries once on another pod."""
     tried: list[str] = []
-    failure = _Failure(f"no live pod in the {pool} pool")
+    failure = _Failure(f"no live pod in the {pool} pool", untaken=True)
+    untaken = True
     for attempt in range(2):
         candidates = [p for p in pods.pool(pool) if p.name not in tried]
         if not candidates:
@@ -97,13 +106,15 @@ async def send_hop(client: PodClient, pods: PodDirectory, metrics: RouterMetrics
         if isinstance(answer, HopResponse):
             return answer
         failure = answer
+        untaken = untaken and failure.untaken
     if not tried:
         raise HopError(f"no pod can serve this request: the {pool} pool has no live pod",
-                       status=503, code="service_unavailable")
+                       status=503, code="service_unavailable", untaken=True)
     message = f"the {pool} pool could not serve this request: {failure.message}"
     if failure.body is not None and failure.status is not None:
-        raise HopError(message, status=failure.status, pod_error=failure.body)
-    raise HopError(message)
+        raise HopError(message, status=failure.status, pod_error=failure.body,
+                       untaken=untaken)
+    raise HopError(message, untaken=untaken)
 
 
 async def _try_pod(client: PodClient, pods: PodDirectory, metrics: RouterMetrics,
@@ -121,7 +132,8 @@ async def _try_pod(client: PodClient, pods: PodDirectory, metrics: RouterMetrics
         else:
             pods.mark_failed(pod)
         metrics.hop_requests.labels(hop, "unreachable").inc()
-        return _Failure(f"pod {pod.name} failed: {type(exc).__name__}: {exc}")
+        return _Failure(f"pod {pod.name} failed: {type(exc).__name__}: {exc}",
+                        untaken=isinstance(exc, PodUnreachable))
     metrics.hop_latency.labels(hop).observe(time.perf_counter() - started)
     if response.status in RETRYABLE_STATUSES:
         pod.num_routed -= 1
@@ -133,11 +145,14 @@ async def _try_pod(client: PodClient, pods: PodDirectory, metrics: RouterMetrics
         if response.status >= 500:
             pods.mark_failed(pod)
         metrics.hop_requests.labels(hop, str(response.status)).inc()
+        untaken = response.status in TURNED_AWAY_STATUSES
         if raw is not None and is_error_object(raw):
-            return _Failure(f"pod {pod.name} answered {response.status}", response.status, raw)
+            return _Failure(f"pod {pod.name} answered {response.status}", response.status, raw,
+                            untaken)
         if raw is not None:
             detail = raw[:300].decode(errors="replace")
-        return _Failure(f"pod {pod.name} answered {response.status}: {detail}")
+        return _Failure(f"pod {pod.name} answered {response.status}: {detail}",
+                        untaken=untaken)
     try:
         first_chunk = await _first_chunk(response)
     except TRANSPORT_ERRORS as exc:

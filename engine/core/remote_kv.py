@@ -69,10 +69,14 @@ class RemoteKV:
         self.connector.add_request(request.request_id, request.kv_transfer_params)
 
     def num_external_tokens(self, request: Request, num_hit_tokens: int) -> int:
-        """Prompt tokens past the local hits that a pull would bring (0: compute them).
+        """Prompt tokens past the local hits that a pull would bring (0: compute them)."""
+        num_external = self.matched_tokens(request, num_hit_tokens)
+        return 0 if num_external is None else num_external
 
-        KV computed for another prompt is never pulled: the request computes its own.
-        """
+    def matched_tokens(self, request: Request, num_hit_tokens: int) -> int | None:
+        """As `num_external_tokens`, but None when the held KV was computed for another
+        prompt: never pulled; the fallback is counted once and the pull dropped (the
+        producer's hold let go), so the request computes its own."""
         num_external = self.connector.get_num_new_matched_tokens(
             request.kv_transfer_params, request.prompt_token_ids, num_hit_tokens,
             request.cache_salt,
@@ -81,7 +85,7 @@ class RemoteKV:
             logger.warning("request %s: its remote KV was computed for another prompt; "
                            "computing it here", request.request_id)
             self.num_fallbacks += 1
-            return 0
+            self.drop_pull(request)
         return num_external
 
     def park(self, request: Request, num_hit_tokens: int, num_external: int,

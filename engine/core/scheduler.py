@@ -471,22 +471,24 @@ class Scheduler:
         frees the producer's hold); None when the pool has no room now."""
         assert self.remote is not None and request.encoder_key is not None
         manager = self.kv_cache_manager
+        mismatch = self.remote.connector.check_cross_pull(
+            request.kv_transfer_params, request.encoder_key, request.num_encoder_tokens)
+        if mismatch is not None:
+            logger.warning("request %s: %s; running its encoder here", request.request_id,
+                           mismatch)
+            self.remote.num_fallbacks += 1
+            self.remote.drop_pull(request)
+            return False
         cross_hits = manager.get_cached_cross_blocks(request)
-        if cross_hits is not None:
-            self.remote.num_cross_cache_hits += 1
-        else:
-            mismatch = self.remote.connector.check_cross_pull(
-                request.kv_transfer_params, request.encoder_key, request.num_encoder_tokens)
-            if mismatch is not None:
-                logger.warning("request %s: %s; running its encoder here", request.request_id,
-                               mismatch)
-                self.remote.num_fallbacks += 1
-                self.remote.drop_pull(request)
-                return False
         # A prefill pod's hold brings the decoder prompt's KV too (an encoder pod's, none).
         hits, num_hit_tokens = manager.get_computed_blocks(request)
-        num_external = self._num_external_tokens(request, num_hit_tokens)
+        num_external = self.remote.matched_tokens(request, num_hit_tokens)
+        if num_external is None:
+            return False  # computed for another prompt: dropped, counted
         if cross_hits is not None and num_external == 0:
+            # Nothing left to pull: the hold is let go now.
+            self.remote.num_cross_cache_hits += 1
+            self.remote.drop_pull(request)
             return False
         if manager.allocate_slots(request, num_external, hits, num_hit_tokens,
                                   cross_hits or [],
@@ -495,6 +497,7 @@ class Scheduler:
             return None
         self.waiting.pop()
         self._record_admission(request, num_hit_tokens)
+        self.remote.num_cross_cache_hits += cross_hits is not None
         self.remote.park(request, num_hit_tokens, num_external,
                          pulls_cross=cross_hits is None)
         return True

@@ -168,3 +168,46 @@ def test_a_prefill_engine_whose_cross_pull_fails_encodes_and_still_holds(engines
     assert _run(decode, "d", held).outputs[0].token_ids == expected
     assert decode.stats.encoder_tokens_total == 0
     _drain(prefill, decode)
+
+
+def test_a_hold_for_another_decoder_prompt_is_one_fallback(engines, expected) -> None:
+    """The decode engine holds the cross blocks, and the prefill's hold was computed for
+    another decoder prompt: nothing is pulled, the hold is let go, one fallback counted."""
+    encoder, prefill, _, held = _chain(engines)
+    decode = engines("decode")
+    assert _run(decode, "warm", {}).outputs[0].token_ids == expected
+    other = {"encoder_prompt": ENCODER_TEXT,
+             "decoder_prompt": {"prompt_token_ids": [0] + [18 + 3 * i for i in range(20)]}}
+    reference = run_one(decode, "ref", other, GREEDY).outputs[0].token_ids
+    answer = run_one(decode, "d", other, GREEDY, kv_transfer_params=held)
+    assert answer.outputs[0].token_ids == reference
+    remote = decode.engine_core.scheduler.remote
+    assert remote.num_fallbacks == 1 and remote.num_cross_cache_hits == 0
+    assert decode.engine_core.make_stats().kv_transfer.bytes_pulled == 0
+    _drain(encoder, prefill, decode)
+
+
+def test_cross_params_refused_in_the_core_fall_back_instead_of_waiting(
+        engines, expected, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Params that passed the front end but are refused by the engine core's own check
+    (expired meanwhile): the parked request hears of it at once and, under `recompute`,
+    runs its encoder here; the prefill still holds for the decode pod."""
+    import kvferry.kvtransfer.connector as connector
+    from kvferry.kvtransfer.auth import ParamsRefusal, TransferKey
+    from kvferry.kvtransfer.metrics import FailureReason
+
+    encoder = engines("encoder")
+    encoded = _run(encoder, "e", {"do_remote_decode": True}).kv_transfer_params
+    prefill = engines("prefill")
+    scheduler = prefill.engine_core.scheduler.remote.connector
+    monkeypatch.setattr(scheduler.config, "transfer_key", TransferKey(b"k" * 40))
+    monkeypatch.setattr(connector, "check_params", lambda *_: ParamsRefusal(
+        FailureReason.PARAMS_EXPIRED, "expired meanwhile"))
+    held = run_one(prefill, "p", PROMPT, GREEDY, timeout_s=20,
+                   kv_transfer_params={**encoded, "do_remote_decode": True}).kv_transfer_params
+    monkeypatch.undo()
+    assert prefill.stats.encoder_tokens_total > 0
+    assert held is not None and held["kvferry_encoder_hash"] == encoded["kvferry_encoder_hash"]
+    decode = engines("decode")
+    assert _run(decode, "d", held).outputs[0].token_ids == expected
+    _drain(encoder, prefill, decode)

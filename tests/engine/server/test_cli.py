@@ -88,12 +88,16 @@ def check_rendered(manifest: dict[str, Any]) -> int:
         environment = pod_environment(pod_env(container, config_map))
         assert environment.model_type == spec.model.type
         assert environment.service == spec.name
-        if args.role == "encoder":  # not served yet (check_supported says so)
-            continue
+        assert check_supported(args) is None, container["args"]
         # Every pool runs a connector (the ConfigMap names the side-channel port), and its
-        # KV listeners bind the pod IP, on the pod IP's interface only.
+        # KV listeners bind the pod IP, on the pod IP's interface only; but a colocated pod
+        # with pipeline or tensor parallelism, which cannot transfer yet, runs none (the
+        # engine would refuse to start with one).
         transfer = kv_transfer_config(args, environment.nixl_port, None, None,
                                       environment.pod_ip, interfaces=POD_INTERFACES)
+        if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+            assert args.role == "both" and transfer is None
+            continue
         assert transfer is not None
         assert (transfer.side_channel_host, transfer.ucx_net_devices) == (POD_IP, "eth0")
     return len(pods)
