@@ -379,6 +379,22 @@ def test_without_an_encoder_hop_the_prefill_pod_encodes(audio_prefill: dict[str,
     assert json.loads(decoded["form"]["kv_transfer_params"])["remote_engine_id"] == "prefill-0"
 
 
+def test_a_prefill_pod_that_refuses_the_connection_leaves_the_encoder_hold_standing(
+        audio_prefill: dict[str, Proc]) -> None:
+    """Last of the prefill-pool tests: it kills the prefill pod (its registry record
+    stays). Its connection refused, it took nothing: the decode pod gets the encoder
+    pod's params (a pod that took the hop and failed would not leave them: see above)."""
+    procs = audio_prefill
+    router = procs["router"]
+    procs["prefill-0"].proc.kill()
+    procs["prefill-0"].proc.wait()
+    before = counts(procs)
+    assert transcribe(router, audio_file(), prompt=LONG_PROMPT).json() == {"text": "a b c"}
+    [decoded] = since(procs["decode-0"], before["decode-0"])
+    params = json.loads(decoded["form"]["kv_transfer_params"])
+    assert params["remote_engine_id"] == "encoder-0"
+
+
 # ---------------------------------------------------------------------------- BART-like
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[dict[str, Proc]]:
