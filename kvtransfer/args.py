@@ -145,9 +145,7 @@ def kv_transfer_config(
     if args.role == "both" and not args.kv_transfer:
         if port is None:
             return None
-        parallel = getattr(args, "pipeline_parallel_size", 1) * getattr(
-            args, "tensor_parallel_size", 1)
-        if parallel > 1 and args.nixl_port is None:
+        if args.pipeline_parallel_size * args.tensor_parallel_size > 1 and args.nixl_port is None:
             # The service's side-channel port (the operator's ConfigMap) is for pods that
             # transfer; a colocated parallel pod cannot yet, and needs none to serve.
             logger.info("pipeline/tensor parallelism: this colocated pod takes part in no KV "

@@ -19,25 +19,27 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from kvferry.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from kvferry.engine.executor.base import Executor
+from kvferry.engine.executor.base import Executor, ExecutorWrapper
 
 if TYPE_CHECKING:
     from kvferry.engine.structured_output.manager import GrammarBitmask
 
 
-class SimulatedPipeline(Executor):
-    """`inner`'s steps, delivered as a pipeline of `num_stages` would deliver them."""
+class SimulatedPipeline(ExecutorWrapper):
+    """`inner`'s steps, delivered as a pipeline of `num_stages` would deliver them. The
+    inner executor computed every step submitted so far: what is not a step reaches it
+    after them, as the executor contract asks."""
 
     def __init__(self, inner: Executor, num_stages: int, stage_seconds: float) -> None:
         if num_stages < 1 or stage_seconds < 0:
             raise ValueError(f"num_stages must be >= 1 and stage_seconds >= 0, got "
                              f"{num_stages} and {stage_seconds}")
-        self.inner = inner
+        super().__init__(inner)
         self.num_stages = self.max_concurrent_batches = num_stages
         self.stage_seconds = stage_seconds
         # When each stage is free again (monotonic seconds).
@@ -79,21 +81,6 @@ class SimulatedPipeline(Executor):
 
     def stage_busy_seconds(self) -> list[float]:
         return list(self.busy_seconds)
-
-    # The inner executor computed every step submitted so far: what is not a step reaches
-    # it after them, as the executor contract asks.
-    def recover_from_failed_step(self, failed_req_ids: list[str]) -> None:
-        self.inner.recover_from_failed_step(failed_req_ids)
-
-    def release_prompt_embeds(self, req_ids: Iterable[str]) -> None:
-        self.inner.release_prompt_embeds(req_ids)
-
-    @property
-    def fatal_error(self) -> Exception | None:
-        return self.inner.fatal_error
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
 
 
 class _Deferred(Future[ModelRunnerOutput]):

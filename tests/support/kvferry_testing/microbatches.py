@@ -22,41 +22,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from kvferry.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from kvferry.engine.executor.base import Executor, InProcessExecutor
+from kvferry.engine.executor.base import Executor, ExecutorWrapper, InProcessExecutor
 from kvferry.engine.executor.simulated import SimulatedPipeline
 from kvferry.engine.structured_output.manager import GrammarBitmask
 
 if TYPE_CHECKING:
     from kvferry.engine.core.engine_core import EngineCore
-
-
-class ExecutorWrapper(Executor):
-    """An executor over `inner`, to which it passes what is not a step as it comes (for
-    an `inner` that computes at submit, that is after the steps submitted before)."""
-
-    def __init__(self, inner: Executor) -> None:
-        self.inner = inner
-        self.max_concurrent_batches = inner.max_concurrent_batches
-
-    def submit(self, scheduler_output: SchedulerOutput,
-               grammar_bitmask: GrammarBitmask | None = None) -> Future[ModelRunnerOutput]:
-        return self.inner.submit(scheduler_output, grammar_bitmask)
-
-    def recover_from_failed_step(self, failed_req_ids: list[str]) -> None:
-        self.inner.recover_from_failed_step(failed_req_ids)
-
-    def release_prompt_embeds(self, req_ids: Iterable[str]) -> None:
-        self.inner.release_prompt_embeds(req_ids)
-
-    @property
-    def fatal_error(self) -> Exception | None:
-        return self.inner.fatal_error
-
-    def stage_busy_seconds(self) -> list[float]:
-        return self.inner.stage_busy_seconds()
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
 
 
 class SampledIds(ExecutorWrapper):
