@@ -28,6 +28,7 @@ import openai
 import pytest
 import yaml
 from kvferry.engine.models.source import resolve_model_source
+from kvferry.kvtransfer.metrics import FailureReason
 from kvferry.router.config import RouterSettings
 from kvferry.router.prefix_index import prompt_block_hashes
 from kvferry_testing.procs import Proc, free_port, wait_http
@@ -659,6 +660,9 @@ def pd_counts(proc: Proc, pods: dict[str, str]) -> dict[str, float]:
         "fallbacks": metric(router, "kvferry:router_prefill_fallbacks_total"),
         "pulled_bytes": sum(metric(u, "kvferry:kv_transfer_bytes_total") for u in decodes),
         "pull_failures": sum(metric(u, "kvferry:kv_transfer_failures_total") for u in decodes),
+        **{f"failed_{reason}": sum(metric(u, "kvferry:kv_transfer_failures_total",
+                                          reason=reason) for u in decodes)
+           for reason in FailureReason},
     }
 
 
@@ -745,7 +749,8 @@ def test_a_burst_of_1000_requests_through_prefill_and_decode_gets_no_503(
     assert counts["prefill_hops"] + counts["cached_skips"] == 1000, counts
     # How many go each way depends on how fast the decode pods' blocks become known.
     assert counts["prefill_hops"] > 0 and counts["fallbacks"] == 0, counts
-    assert counts["pull_failures"] == 0, counts
+    failed = [line for line in proc.log().splitlines() if "KV pull for" in line]
+    assert counts["pull_failures"] == 0, ({k: v for k, v in counts.items() if v}, failed[:5])
     assert metric(router, "kvferry:router_pods_dropped_total") == 0
 
 

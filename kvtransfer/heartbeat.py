@@ -3,7 +3,9 @@
 From the moment a request with remote KV arrives until its pull is over, a background
 thread renews the producer's hold every `heartbeat_s` (one call per producer, naming all of
 that producer's requests). A reply saying a hold is gone marks the request lost: its pull
-must not be trusted (the producer may have reused the blocks). A request that will not be
+must not be trusted (the producer may have reused the blocks). A hold that ended because
+this consumer's own read finished is not lost: a heartbeat sent as the read completes can
+reach the producer after the read's notification, before the engine hears of the read. A request that will not be
 pulled (cancelled, failed, computed locally) frees its hold at once instead of letting the
 lease run out.
 """
@@ -131,7 +133,11 @@ class LeaseKeeper:
             # A reply of the wrong length (a broken producer) marks nothing lost: the pull's own
             # renewal checks the hold again before reading.
             held = reply.held if len(reply.held) == len(req_ids) else [True] * len(req_ids)
-            self._mark_lost(producer, [r for r, h in zip(req_ids, held, strict=True) if not h])
+            # A hold that ended because this consumer's read finished is not lost: the read's
+            # completion, which the engine may not have seen yet, is on its way.
+            pulled = reply.pulled if len(reply.pulled) == len(req_ids) else [False] * len(req_ids)
+            self._mark_lost(producer, [r for r, h, p in zip(req_ids, held, pulled, strict=True)
+                                       if not h and not p])
 
     def _mark_lost(self, producer: _Producer, remote_req_ids: list[str]) -> None:
         lost = set(remote_req_ids)

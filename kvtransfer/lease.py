@@ -14,6 +14,10 @@ blocks that the first pod's late notification had just freed for reuse. Every re
 free names its reader: one that names none ("") is refused, claimed hold or not, so no
 caller can keep a hold alive or end it without being its (would-be) reader.
 
+A hold its reader's read ended is remembered for a lease afterwards, so that a heartbeat
+crossing the notification learns the hold ended by its own pull (see `pulled_by`), not that
+it was lost.
+
 The table is shared by the scheduler (which starts holds), the side channel's threads
 (heartbeats and frees) and the engine thread (notifications and expiry), hence the lock.
 """
@@ -22,11 +26,17 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvferry.kvtransfer.metrics import HoldEnd, KVTransferMetrics
 from kvferry.kvtransfer.params import BlockIdGroups
+
+
+# Finished pulls a table remembers at most (the oldest are forgotten first): a lease of
+# them at a very high pull rate, a few MiB.
+MAX_REMEMBERED_PULLS = 65536
 
 
 @dataclass
@@ -67,6 +77,9 @@ class LeaseTable:
         # Ended holds whose blocks the scheduler has not yet been told to free.
         self._ended: list[str] = []
         self._num_blocks = 0
+        # Holds ended by their reader's finished read: request id -> (reader, monotonic time
+        # after which it is forgotten), oldest first.
+        self._pulled: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
     def hold(self, req_id: str, block_ids: BlockIdGroups) -> None:
         """Starts a lease of `lease_s` on a request's blocks."""
@@ -110,7 +123,18 @@ class LeaseTable:
             held = self._holds.get(req_id)
             if held is None or not held.serves(reader):
                 return False
+            if how is HoldEnd.PULLED:
+                self._remember_pulled_locked(req_id, reader)
             return self._end_locked(req_id, how)
+
+    def pulled_by(self, req_ids: Iterable[str], reader: str) -> list[bool]:
+        """Per id, whether its hold ended within the last lease because `reader`'s read of
+        it finished: a heartbeat that crossed that read's notification finds the hold gone,
+        and must not take the blocks it read for lost."""
+        with self._lock:
+            self._forget_pulled_locked(self._clock())
+            return [bool(reader) and self._pulled.get(r, ("", 0.0))[0] == reader
+                    for r in req_ids]
 
     def expire(self) -> list[str]:
         """Ends every hold past its deadline; returns their request ids."""
@@ -140,6 +164,21 @@ class LeaseTable:
     def num_blocks_held(self) -> int:
         with self._lock:
             return self._num_blocks
+
+    def _remember_pulled_locked(self, req_id: str, reader: str) -> None:
+        now = self._clock()
+        self._forget_pulled_locked(now)
+        self._pulled[req_id] = (reader, now + self.lease_s)
+        self._pulled.move_to_end(req_id)
+        while len(self._pulled) > MAX_REMEMBERED_PULLS:
+            self._pulled.popitem(last=False)
+
+    def _forget_pulled_locked(self, now: float) -> None:
+        while self._pulled:
+            req_id, (_, forget_at) = next(iter(self._pulled.items()))
+            if forget_at > now:
+                return
+            del self._pulled[req_id]
 
     def _end_locked(self, req_id: str, how: HoldEnd) -> bool:
         held = self._holds.pop(req_id, None)

@@ -79,6 +79,10 @@ class LeaseReply(msgspec.Struct, frozen=True):
     # Renew only: per requested id, the block ids held for it, per block group ([] when not
     # held). A consumer reads only these: params naming other blocks are refused.
     block_ids: list[list[list[int]]] = []
+    # Renew only: per requested id, whether a hold that is not held ended because this
+    # reader's read of it finished (its own pull, not a lost hold). [] from a producer that
+    # does not say: every hold not held counts as lost.
+    pulled: list[bool] = []
 
 
 class SideChannelError(Exception):
@@ -151,6 +155,7 @@ class SideChannelServer:
         if not request.reader:
             raise ValueError("reader must name the consumer (its NIXL agent name)")
         block_ids: list[list[list[int]]] = []
+        pulled: list[bool] = []
         if request.agent_name and request.agent_name != self.info.agent_name:
             # Meant for an earlier incarnation of this producer: none of its holds exist.
             held = [False] * len(request.req_ids)
@@ -158,10 +163,11 @@ class SideChannelServer:
             claims = self.leases.claim(request.req_ids, request.reader)
             held = [c is not None for c in claims]
             block_ids = [[list(g) for g in c or ()] for c in claims]
+            pulled = self.leases.pulled_by(request.req_ids, request.reader)
         else:
             held = [self.leases.end(r, HoldEnd.FREED, request.reader) for r in request.req_ids]
         reply = LeaseReply(held=held, lease_s=self.leases.lease_s, agent_name=self.info.agent_name,
-                           block_ids=block_ids)
+                           block_ids=block_ids, pulled=pulled)
         return msgspec.msgpack.encode(reply)
 
     @property

@@ -20,6 +20,7 @@ from kvferry.kvtransfer import (
 )
 from kvferry.kvtransfer.auth import SideChannelAuth, TransferKey, check_params, sign_params
 from kvferry.kvtransfer.lease import LeaseTable
+from kvferry.kvtransfer.metrics import HoldEnd
 from kvferry.kvtransfer.params import prompt_hash
 from kvferry.kvtransfer.side_channel import SideChannelServer
 from kvferry_testing.handshakes import handshake_info
@@ -184,6 +185,28 @@ def test_a_pull_whose_hold_was_lost_fails_even_if_the_read_finished(setup: Setup
 
     assert done.ready == []
     assert done.failed["d"].reason is FailureReason.LEASE_LOST
+
+
+def test_a_heartbeat_that_crosses_the_reads_notification_loses_nothing(setup: Setup) -> None:
+    """The read finishes and its notification ends the producer's hold before the engine
+    hears of the read; heartbeats meanwhile find the hold gone, ended by this consumer's own
+    read: the pull stands. A hold that ended any other way is lost."""
+    for req_id in ("pulled", "freed"):
+        params = remote_params(setup.port, [11], BLOCK, req_id=f"p-{req_id}")
+        setup.producer.hold(f"p-{req_id}", ((11,),))
+        setup.scheduler.add_request(req_id, params)
+        setup.scheduler.update_state_after_alloc(req_id, params, [[21]], 0, BLOCK - 1)
+    wait_until(lambda: setup.producer.readers() == {"p-pulled": "agent-d", "p-freed": "agent-d"})
+    assert setup.producer.end("p-pulled", HoldEnd.PULLED, reader="agent-d")
+    assert setup.producer.end("p-freed", HoldEnd.FREED, reader="agent-d")
+    wait_until(lambda: setup.scheduler._keeper.is_lost("p-freed".removeprefix("p-")))
+    time.sleep(0.2)  # four more heartbeats
+    assert not setup.scheduler._keeper.is_lost("pulled")
+
+    done = setup.scheduler.get_finished(KVConnectorOutput(finished_pulls=["pulled", "freed"]))
+
+    assert done.ready == ["pulled"]
+    assert done.failed["freed"].reason is FailureReason.LEASE_LOST
 
 
 def test_a_prefill_for_remote_decode_holds_its_blocks_and_returns_params(setup: Setup) -> None:

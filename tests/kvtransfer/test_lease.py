@@ -109,3 +109,35 @@ def test_a_request_cannot_hold_twice() -> None:
     table.hold("a", ((1,),))
     with pytest.raises(RuntimeError, match="already holds"):
         table.hold("a", ((2,),))
+
+
+def test_a_hold_its_reader_pulled_is_remembered_as_pulled_by_it_for_a_lease() -> None:
+    table, clock, _ = make_table()
+    for req_id in ("pulled", "freed", "expiring"):
+        table.hold(req_id, ((1,),))
+        assert table.renew([req_id], reader="decode-1") == [True]
+    assert table.end("pulled", HoldEnd.PULLED, reader="decode-1")
+    assert table.end("freed", HoldEnd.FREED, reader="decode-1")
+    clock.now += 29
+    assert table.renew(["expiring"], reader="decode-1") == [True]
+    # A heartbeat that crossed the read's notification: not held, but pulled by its reader.
+    names = ["pulled", "freed", "expiring", "unknown"]
+    assert table.renew(names, reader="decode-1") == [False, False, True, False]
+    assert table.pulled_by(names, reader="decode-1") == [True, False, False, False]
+    assert table.pulled_by(["pulled"], reader="decode-2") == [False]
+    assert table.pulled_by(["pulled"], reader="") == [False]
+    clock.now += 30  # a lease after the pull: forgotten; the other hold expired unpulled
+    assert table.expire() == ["expiring"]
+    assert table.pulled_by(names, reader="decode-1") == [False] * 4
+
+
+def test_the_remembered_pulls_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvferry.kvtransfer import lease
+
+    monkeypatch.setattr(lease, "MAX_REMEMBERED_PULLS", 3)
+    table, _, _ = make_table()
+    for i in range(5):
+        table.hold(f"r{i}", ((1,),))
+        assert table.end(f"r{i}", HoldEnd.PULLED, reader="decode-1")
+    assert table.pulled_by([f"r{i}" for i in range(5)], reader="decode-1") == [
+        False, False, True, True, True]
