@@ -147,9 +147,10 @@ def kv_transfer_config(
             return None
         if args.pipeline_parallel_size * args.tensor_parallel_size > 1 and args.nixl_port is None:
             # The service's side-channel port (the operator's ConfigMap) is for pods that
-            # transfer; a colocated parallel pod cannot yet, and needs none to serve.
+            # transfer; a colocated parallel pod needs none to serve, and on a GPU (the
+            # operator's pods) its ranks' caches cannot be registered yet.
             logger.info("pipeline/tensor parallelism: this colocated pod takes part in no KV "
-                        "transfer (not available with parallelism yet)")
+                        "transfer")
             return None
     if transfer_key is not None and args.kv_transfer_insecure:
         raise ValueError(f"--kv-transfer-insecure and a KV transfer key (--kv-transfer-key-file "

@@ -48,6 +48,7 @@ from kvferry.engine.core.kv_connector import (
     FinishedTransfers,
     KVConnector,
     KVConnectorSchedulerBase,
+    RankCache,
     TransferFailure,
 )
 from kvferry.kvtransfer.auth import ParamsRefusal, check_params, sign_params
@@ -464,9 +465,11 @@ def _same_prompt(prompt_token_ids: Sequence[int], params: KVTransferParams,
 
 
 def start_nixl_connector(
-    config: KVTransferConfig, kv_cache: torch.Tensor | Sequence[torch.Tensor], block_size: int
+    config: KVTransferConfig, kv_cache: torch.Tensor | Sequence[torch.Tensor] | Sequence[RankCache],
+    block_size: int, parallel_sizes: tuple[int, int] = (1, 1),
 ) -> KVConnector | None:
     """Registers the cache with NIXL and opens the side channel (its port is bound now).
+    `kv_cache`: as `KVConnectorWorker.register_kv_caches` takes it.
 
     None without a key (and not insecure): such a pod takes part in no transfer, so it
     registers no memory and serves no side channel (its front end refuses the params).
@@ -478,6 +481,6 @@ def start_nixl_connector(
         return None
     metrics = KVTransferMetrics()
     worker = KVConnectorWorker(config, metrics)
-    endpoint = worker.register_kv_caches(kv_cache)
+    endpoint = worker.register_kv_caches(kv_cache, parallel_sizes)
     scheduler = KVConnectorScheduler(config, block_size, endpoint, worker.leases, metrics)
     return KVConnector(scheduler, worker, metrics.snapshot)

@@ -37,8 +37,15 @@ class LocalIdentity:
     """What this engine compares a producer's handshake with."""
 
     model_id: str
+    # Per group, and within a group per rank (as HandshakeInfo.layouts).
     layouts: list[KVLayout]
     compat_hash: str
+    # (pipeline_parallel_size, tensor_parallel_size)
+    parallel_sizes: tuple[int, int] = (1, 1)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.parallel_sizes[0] * self.parallel_sizes[1]
 
 
 @dataclass(frozen=True)
@@ -54,17 +61,22 @@ def check_compatible(local: LocalIdentity, address: str, info: HandshakeInfo) ->
     checks: list[tuple[str, object, object]] = [
         ("protocol_version", TRANSFER_PROTOCOL_VERSION, info.protocol_version),
         ("model_id", local.model_id, info.model_id),
+        # Reading between engines of other parallel sizes is not built.
+        ("pipeline_parallel_size", local.parallel_sizes[0], info.pipeline_parallel_size),
+        ("tensor_parallel_size", local.parallel_sizes[1], info.tensor_parallel_size),
         ("num_block_groups", len(local.layouts), len(info.layouts)),
     ]
     for field, ours, theirs in checks:
         if ours != theirs:
             raise IncompatibleProducerError(address, field, ours, theirs)
-    for group, (ours, theirs) in enumerate(zip(local.layouts, info.layouts, strict=True)):
+    for index, (ours, theirs) in enumerate(zip(local.layouts, info.layouts, strict=True)):
         mismatch = find_layout_mismatch(ours, theirs)
         if mismatch is not None:
             name, mine, other = mismatch
-            field = name if group == 0 else f"group {group} {name}"
-            raise IncompatibleProducerError(address, field, mine, other)
+            group, rank = divmod(index, local.num_ranks)
+            where = ([f"group {group}"] if group else []) + (
+                [f"rank {rank}"] if local.num_ranks > 1 else [])
+            raise IncompatibleProducerError(address, " ".join([*where, name]), mine, other)
     # Equal fields but another hash: the producer hashes something this engine does not.
     if local.compat_hash != info.compat_hash:
         raise IncompatibleProducerError(address, "compat_hash", local.compat_hash, info.compat_hash)

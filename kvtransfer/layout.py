@@ -7,6 +7,11 @@ The engine's cache is one tensor per block group, blocks outermost:
 so block `b` is the contiguous byte range `[b * block_bytes, (b + 1) * block_bytes)` of the
 tensor, across all layers, keys and values. A pull of blocks whose ids are consecutive on
 both sides is therefore one contiguous read: the descriptors of a pull are its runs.
+
+An engine of several ranks (pipeline stages, tensor-parallel shards) has one such tensor per
+rank and group, each holding its rank's layers (`first_layer`, `num_layers`) and kv heads
+(`first_kv_head`, `num_kv_heads`); a block id means the same tokens in every rank's tensor.
+Between engines of the same ranks, rank r's blocks are read from the producer's rank r.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from kvferry.kvtransfer.params import TRANSFER_PROTOCOL_VERSION
 KV_LAYOUT_VERSION = 1
 
 # The fields a consumer compares, in the order a mismatch is reported.
-LAYOUT_FIELDS = ("layout_version", "dtype", "block_size", "num_layers", "num_kv_heads", "head_size")
+LAYOUT_FIELDS = ("layout_version", "dtype", "block_size", "first_layer", "num_layers",
+                 "first_kv_head", "num_kv_heads", "head_size")
 
 
 class KVLayout(msgspec.Struct, frozen=True):
@@ -35,6 +41,12 @@ class KVLayout(msgspec.Struct, frozen=True):
     dtype: str
     element_size: int
     layout_version: int = KV_LAYOUT_VERSION
+    # The part of the model the tensor holds (one rank's): its layers are the model's
+    # [first_layer, first_layer + num_layers), its kv heads [first_kv_head, + num_kv_heads).
+    # With them a consumer of other parallel sizes could tell which producer rank holds
+    # which of its layers and heads.
+    first_layer: int = 0
+    first_kv_head: int = 0
 
     @property
     def block_bytes(self) -> int:
@@ -45,8 +57,10 @@ class KVLayout(msgspec.Struct, frozen=True):
         )
 
     @classmethod
-    def of_cache(cls, kv_cache: object) -> KVLayout:
-        """The layout of an engine cache tensor; raises ValueError for any other shape."""
+    def of_cache(cls, kv_cache: object, first_layer: int = 0, first_kv_head: int = 0
+                 ) -> KVLayout:
+        """The layout of an engine cache tensor (holding the model's layers and kv heads
+        from the given ones on); raises ValueError for any other shape."""
         import torch
 
         if not isinstance(kv_cache, torch.Tensor):
@@ -62,7 +76,8 @@ class KVLayout(msgspec.Struct, frozen=True):
         return cls(
             block_size=block_size, num_layers=num_layers, num_kv_heads=num_kv_heads,
             head_size=head_size, dtype=str(kv_cache.dtype).removeprefix("torch."),
-            element_size=kv_cache.element_size(),
+            element_size=kv_cache.element_size(), first_layer=first_layer,
+            first_kv_head=first_kv_head,
         )
 
 
@@ -77,13 +92,14 @@ class RegionInfo(msgspec.Struct, frozen=True):
     mem_type: str
 
 
-def compatibility_hash(model_id: str, layouts: list[KVLayout]) -> str:
+def compatibility_hash(model_id: str, layouts: list[KVLayout], num_ranks: int = 1) -> str:
     """Hash of everything two engines must agree on to exchange blocks.
 
-    Covers the model, the dtype and layout of every group and kvferry's protocol version:
-    equal hashes mean a block read from the producer means the same on the consumer.
+    Covers the model, the dtype and layout of every group and rank, the number of ranks and
+    kvferry's protocol version: equal hashes mean a block read from the producer means the
+    same on the consumer.
     """
-    material = msgspec.msgpack.encode((TRANSFER_PROTOCOL_VERSION, model_id, layouts))
+    material = msgspec.msgpack.encode((TRANSFER_PROTOCOL_VERSION, model_id, num_ranks, layouts))
     return hashlib.sha256(material).hexdigest()[:16]
 
 

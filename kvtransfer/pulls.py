@@ -85,7 +85,7 @@ class Puller:
         metrics: KVTransferMetrics,
         backend: NixlBackend,
         engines: RemoteEngines,
-        local: tuple[list[KVLayout], list[RegionInfo]],
+        local: tuple[list[KVLayout], list[RegionInfo], int],
         wake: Callable[[], None],
         auth: SideChannelAuth | None,
     ) -> None:
@@ -93,7 +93,8 @@ class Puller:
         self.metrics = metrics
         self._backend = backend
         self._engines = engines
-        self._layouts, self._regions = local
+        # Per group, per rank (group g, rank r at g * num_ranks + r), and the ranks.
+        self._layouts, self._regions, self._num_ranks = local
         # Called when a preparation finishes, so the transfer thread does not sleep on it.
         self._wake = wake
         self._auth = auth
@@ -239,6 +240,8 @@ class Puller:
         self._poll_read(req_id, pull)
 
     def _group_reads(self, spec: PullSpec, info: HandshakeInfo) -> list[GroupRead]:
+        """One read per group and rank: rank r's blocks from the producer's rank r (the
+        handshake checked that both engines have the same ranks)."""
         reads = []
         pairs = zip(spec.local_block_ids, spec.remote_block_ids, strict=True)
         for group, (local, remote) in enumerate(pairs):
@@ -246,14 +249,21 @@ class Puller:
                 continue  # nothing of this group (an encoder pod's hold has no group 0)
             local_ids = np.asarray(local, dtype=np.int64)
             remote_ids = np.asarray(remote, dtype=np.int64)
-            _check_range(local_ids, self._regions[group].num_blocks, f"group {group} local")
-            _check_range(remote_ids, info.regions[group].num_blocks, f"group {group} remote")
-            reads.append(GroupRead(
-                local=self._regions[group], remote=info.regions[group],
-                block_bytes=self._layouts[group].block_bytes,
-                runs=block_runs(local_ids, remote_ids),
-            ))
+            runs = block_runs(local_ids, remote_ids)
+            for index in self._group_indices(group):
+                where = f"group {group}" + (f" rank {index % self._num_ranks}"
+                                            if self._num_ranks > 1 else "")
+                _check_range(local_ids, self._regions[index].num_blocks, f"{where} local")
+                _check_range(remote_ids, info.regions[index].num_blocks, f"{where} remote")
+                reads.append(GroupRead(
+                    local=self._regions[index], remote=info.regions[index],
+                    block_bytes=self._layouts[index].block_bytes, runs=runs,
+                ))
         return reads
+
+    def _group_indices(self, group: int) -> range:
+        """Where a group's ranks sit in the layouts and regions."""
+        return range(group * self._num_ranks, (group + 1) * self._num_ranks)
 
     def _poll_read(self, req_id: str, pull: _Pull) -> None:
         assert pull.transfer is not None and pull.engine is not None
@@ -264,7 +274,7 @@ class Puller:
             self.metrics.observe_pull(pull.transfer.num_bytes, seconds)
             cross_blocks = sum(len(group) for group in pull.spec.local_block_ids[1:])
             if cross_blocks:
-                block_bytes = self._layouts[1].block_bytes
+                block_bytes = sum(self._layouts[i].block_bytes for i in self._group_indices(1))
                 self.metrics.observe_cross_pull(cross_blocks * block_bytes, seconds)
             del self._pulls[req_id]
             self.output.finished_pulls.append(req_id)

@@ -51,11 +51,20 @@ class HandshakeInfo(msgspec.Struct, frozen=True):
     # NIXL agent metadata (connection info and registered memory) for add_remote_agent.
     agent_metadata: bytes
     model_id: str
-    # Per block group: its cache layout and where its cache lives.
+    # Per block group, and within a group per rank: its cache layout and where its cache
+    # lives (group g, rank r at index g * num_ranks + r).
     layouts: list[KVLayout]
     regions: list[RegionInfo]
     compat_hash: str
     lease_s: float
+    # The engine's parallel sizes: its P x T ranks (rank s * T + t: stage s, shard t) each
+    # have a cache per group; a consumer of the same sizes reads rank r into its rank r.
+    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+
+    @property
+    def num_ranks(self) -> int:
+        return self.pipeline_parallel_size * self.tensor_parallel_size
 
 
 class LeaseRequest(msgspec.Struct, frozen=True):

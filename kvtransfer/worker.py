@@ -19,7 +19,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 
-from kvferry.engine.core.kv_connector import KVConnectorWorkerBase
+from kvferry.engine.core.kv_connector import KVConnectorWorkerBase, RankCache
 from kvferry.kvtransfer.config import KVTransferConfig
 from kvferry.kvtransfer.connector import (
     KVConnectorMetadata,
@@ -56,6 +56,7 @@ class KVConnectorWorker(KVConnectorWorkerBase):
         self.leases = LeaseTable(config.lease_s, metrics)
         self._backend: NixlBackend | None = None
         self._layouts: list[KVLayout] = []
+        self._parallel_sizes = (1, 1)
         self._regions: list[RegionInfo] = []
         self._server: SideChannelServer | None = None
         self._puller: Puller | None = None
@@ -69,16 +70,29 @@ class KVConnectorWorker(KVConnectorWorkerBase):
         self._output = KVConnectorOutput()
 
     # ------------------------------------------------------------------ setup
-    def register_kv_caches(self, kv_caches: object | Sequence[object]) -> ProducerEndpoint:
+    def register_kv_caches(self, kv_caches: object | Sequence[object],
+                           parallel_sizes: tuple[int, int] = (1, 1)) -> ProducerEndpoint:
         """Registers the cache tensor of every block group and starts the side channel.
 
-        `kv_caches`: one tensor (one group) or a sequence indexed by group, each
-        (num_blocks, num_layers, 2, block_size, num_kv_heads, head_size), contiguous.
+        `kv_caches`: one tensor (one group), a sequence indexed by group, each
+        (num_blocks, num_layers, 2, block_size, num_kv_heads, head_size), contiguous, or
+        one `RankCache` per rank of an engine of `parallel_sizes` (pipeline, tensor), in
+        rank order. This process must be able to address every rank's memory.
         """
         if self._backend is not None:
             raise RuntimeError("register_kv_caches was already called")
-        caches = list(kv_caches) if isinstance(kv_caches, (list, tuple)) else [kv_caches]
-        self._layouts = [KVLayout.of_cache(c) for c in caches]
+        ranks = _as_ranks(kv_caches)
+        if len(ranks) != parallel_sizes[0] * parallel_sizes[1]:
+            raise ValueError(f"{len(ranks)} ranks' caches for parallel sizes {parallel_sizes}")
+        if len({len(rank.groups) for rank in ranks}) != 1:
+            raise ValueError("every rank must have a cache of each block group")
+        # Group-major, rank-minor (HandshakeInfo.layouts).
+        placed = [(rank, cache) for group in range(len(ranks[0].groups))
+                  for rank in ranks for cache in (rank.groups[group],)]
+        caches = [cache for _, cache in placed]
+        self._parallel_sizes = parallel_sizes
+        self._layouts = [KVLayout.of_cache(cache, rank.first_layer, rank.first_kv_head)
+                         for rank, cache in placed]
         self._backend = NixlBackend(
             self.agent_name, self.config.ucx_error_handling_mode, self.config.nixl_progress_thread,
             self.config.read_threads, self.config.read_split_min_bytes,
@@ -87,12 +101,12 @@ class KVConnectorWorker(KVConnectorWorkerBase):
         self._regions = [self._backend.register(c) for c in caches]
         local = LocalIdentity(
             self.config.model_id, self._layouts,
-            compatibility_hash(self.config.model_id, self._layouts),
+            compatibility_hash(self.config.model_id, self._layouts, len(ranks)), parallel_sizes,
         )
         engines = RemoteEngines(self._backend, local)
         auth = self.config.side_channel_auth()
         self._puller = Puller(self.config, self.metrics, self._backend, engines,
-                              (self._layouts, self._regions), self._wake.set, auth)
+                              (self._layouts, self._regions, len(ranks)), self._wake.set, auth)
         self._server = SideChannelServer(
             self.config.side_channel_host, self.config.side_channel_port,
             self._handshake_info(local), self.leases, auth,
@@ -109,6 +123,8 @@ class KVConnectorWorker(KVConnectorWorkerBase):
             agent_name=self.agent_name, agent_metadata=self._backend.metadata,
             model_id=local.model_id, layouts=self._layouts, regions=self._regions,
             compat_hash=local.compat_hash, lease_s=self.config.lease_s,
+            pipeline_parallel_size=local.parallel_sizes[0],
+            tensor_parallel_size=local.parallel_sizes[1],
         )
 
     @property
@@ -200,3 +216,13 @@ class KVConnectorWorker(KVConnectorWorkerBase):
         if self._backend is not None:
             self._backend.close()
 
+
+
+def _as_ranks(kv_caches: object | Sequence[object]) -> list[RankCache]:
+    """`register_kv_caches`'s argument as one RankCache per rank."""
+    items = list(kv_caches) if isinstance(kv_caches, (list, tuple)) else [kv_caches]
+    if items and all(isinstance(item, RankCache) for item in items):
+        return items  # type: ignore[return-value]
+    if any(isinstance(item, RankCache) for item in items):
+        raise ValueError("pass one RankCache per rank, or the cache tensors of one rank")
+    return [RankCache(groups=tuple(items))]  # type: ignore[arg-type]

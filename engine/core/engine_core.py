@@ -26,12 +26,13 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 from kvferry.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvferry.engine.core.kv_cache import KVCacheManager
-from kvferry.engine.core.kv_connector import start_kv_connector
+from kvferry.engine.core.kv_connector import RankCache, start_kv_connector
 from kvferry.engine.core.messages import (
     EngineCoreInfo,
     EngineCoreOutput,
@@ -93,7 +94,7 @@ class EngineCore:
             try:
                 check_kv_cache_fits(num_blocks, cache_cfg, self.max_model_len, self.device,
                                     max_encoder_len)
-                pipeline.initialize_kv_cache(num_blocks)
+                pipeline.initialize_kv_cache(num_blocks, share=config.kv_transfer is not None)
             except BaseException:  # no worker outlives a core that did not start
                 pipeline.shutdown()
                 raise
@@ -126,8 +127,10 @@ class EngineCore:
         )
         self.kv_connector = (
             None if config.kv_transfer is None
-            else start_kv_connector(config.kv_transfer, self._transfer_groups(),
-                                    cache_cfg.block_size)
+            else start_kv_connector(config.kv_transfer, self._transfer_ranks(),
+                                    cache_cfg.block_size,
+                                    (config.parallel.pipeline_parallel_size,
+                                     config.parallel.tensor_parallel_size))
         )
         # Grammars of structured outputs; llguidance loads with the first constraint.
         tokenizer_dir = (resolve_model_source(model_cfg.tokenizer) if model_cfg.tokenizer
@@ -190,9 +193,10 @@ class EngineCore:
         parallel = config.parallel
         sizes = (f"pipeline_parallel_size {parallel.pipeline_parallel_size} and "
                  f"tensor_parallel_size {parallel.tensor_parallel_size}")
-        if config.kv_transfer is not None:
-            raise ValueError(f"KV transfer (--role prefill/decode/encoder) with {sizes} is "
-                             "not available yet")
+        if config.kv_transfer is not None and self.device.type != "cpu":
+            raise ValueError(f"KV transfer (--role prefill/decode/encoder) with {sizes} runs "
+                             "on CPU only for now: the engine core's NIXL agent registers "
+                             "every rank's cache, and cannot address the workers' GPU memory")
         if sched_cfg.async_scheduling:
             raise ValueError(f"async_scheduling with {sizes} is not available yet: the "
                              "stages overlap microbatches instead")
@@ -206,12 +210,20 @@ class EngineCore:
             sched_cfg.max_concurrent_batches = pipeline.max_concurrent_batches
         return pipeline
 
-    def _transfer_groups(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The cache tensor of each block group the transfer layer moves: self-attention,
-        and (encoder-decoder models) cross-attention, whose blocks share the one pool."""
-        assert self.runner is not None, "KV transfer runs without pipeline parallelism"
-        kv_cache = self.runner.kv_cache
-        return (kv_cache, kv_cache) if self.arch.is_encoder_decoder else kv_cache
+    def _transfer_ranks(self) -> list[RankCache]:
+        """Each rank's cache tensor of each block group the transfer layer moves: self-
+        attention, and (encoder-decoder models) cross-attention, whose blocks share the one
+        pool. One rank in this process; a pipeline's ranks in its workers' shared memory."""
+        if self.runner is not None:
+            caches = [RankCache((self.runner.kv_cache,))]
+        else:
+            from kvferry.engine.executor.pipeline import PipelineExecutor
+
+            assert isinstance(self.executor, PipelineExecutor)
+            caches = self.executor.rank_caches
+        if self.arch.is_encoder_decoder:
+            caches = [replace(rank, groups=(rank.groups[0], rank.groups[0])) for rank in caches]
+        return caches
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -71,11 +71,17 @@ class InitializeKVCache:
     """Allocate the stage's cache: the same number of blocks on every stage."""
 
     num_blocks: int
+    # (CPU) The file whose shared memory holds the cache, for the core to map too (KV
+    # transfer registers every rank's cache in the core's process).
+    shared_path: str | None = None
 
 
 @dataclass(frozen=True)
 class KVCacheReady:
     stage_index: int
+    # The cache tensor's shape, and the first of the model's kv heads it holds.
+    shape: tuple[int, ...] = ()
+    first_kv_head: int = 0
 
 
 @dataclass

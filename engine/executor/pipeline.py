@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from kvferry.engine.config import CacheConfig, ParallelConfig
+from kvferry.engine.core.kv_connector import RankCache
 from kvferry.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvferry.engine.executor.base import Executor
 from kvferry.engine.executor.messages import (
@@ -73,6 +74,7 @@ from kvferry.engine.executor.worker import recv_message, run_worker, send_messag
 from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.models.loader import check_pipeline_support, check_tensor_parallel_support
 from kvferry.engine.runner.model_runner import num_blocks_in_budget
+from kvferry.kvtransfer.memory import shared_kv_cache
 
 if TYPE_CHECKING:
     from kvferry.engine.structured_output.manager import GrammarBitmask
@@ -138,6 +140,9 @@ class PipelineExecutor(Executor):
         self.stages = pipeline_stages(arch.num_layers, num_stages, parallel.pp_layer_partition)
         self.cache = cache
         devices = stage_devices(device, num_stages * self.tp_size)
+        self._devices, self._dtype = devices, dtype
+        # (initialize_kv_cache with `share`) Every rank's cache, mapped in this process.
+        self.rank_caches: list[RankCache] = []
         self._rendezvous_dir = tempfile.mkdtemp(prefix="kvferry-pp-")
         self.workers: list[_Worker] = []
         self._lock = threading.Lock()
@@ -237,11 +242,37 @@ class PipelineExecutor(Executor):
         return min(num_blocks_in_budget(r.block_bytes, self.cache, r.kv_cache_budget)
                    for r in self.ready)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocates every stage's cache, then starts the threads that run steps."""
-        for worker in self.workers:
-            send_message(worker.conn, InitializeKVCache(num_blocks))
-        self._expect_from_all(KVCacheReady)
+    def initialize_kv_cache(self, num_blocks: int, share: bool = False) -> None:
+        """Allocates every stage's cache, then starts the threads that run steps.
+
+        `share` (CPU): every worker's cache lies in shared memory that this process maps
+        too (`rank_caches`), for the KV transfer layer to register. A GPU cache cannot be
+        shared so: ValueError.
+        """
+        if share and self.workers and self._devices[0].type != "cpu":
+            raise ValueError(
+                "KV transfer between tensor- or pipeline-parallel engines runs on CPU only for "
+                "now: every rank's cache is registered by the engine core's NIXL agent, which "
+                "cannot address another process's GPU memory")
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        shared_dir = tempfile.mkdtemp(prefix="kvferry-kv-", dir=shm) if share else None
+        try:
+            paths = [None if shared_dir is None else os.path.join(shared_dir, f"rank-{i}")
+                     for i in range(len(self.workers))]
+            for worker, path in zip(self.workers, paths, strict=True):
+                send_message(worker.conn, InitializeKVCache(num_blocks, path))
+            ready: list[KVCacheReady] = self._expect_from_all(KVCacheReady)
+            if shared_dir is not None:
+                self.rank_caches = [
+                    RankCache((shared_kv_cache(path, r.shape, self._dtype),),
+                              worker.stage.start_layer, r.first_kv_head)
+                    for worker, path, r in zip(self.workers, paths, ready, strict=True)
+                    if path is not None
+                ]
+        finally:
+            # Mapped by the workers and by this process: the files themselves can go.
+            if shared_dir is not None:
+                shutil.rmtree(shared_dir, ignore_errors=True)
         for worker in self.workers:
             worker.sender = threading.Thread(
                 target=_send_loop, args=(worker,), daemon=True,

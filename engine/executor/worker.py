@@ -108,8 +108,10 @@ class StageWorker:
             if isinstance(message, StepRequest):
                 self._step(message)
             elif isinstance(message, InitializeKVCache):
-                self.runner.initialize_kv_cache(message.num_blocks)
-                send_message(self.conn, KVCacheReady(self.stage.index))
+                self.runner.initialize_kv_cache(message.num_blocks, message.shared_path)
+                send_message(self.conn, KVCacheReady(
+                    self.stage.index, tuple(self.runner.kv_cache.shape),
+                    self.runner.first_kv_head))
             elif isinstance(message, RecoverFromFailedStep):
                 self.runner.recover_from_failed_step(message.failed_req_ids)
             elif isinstance(message, ReleasePromptEmbeds):

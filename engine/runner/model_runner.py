@@ -46,7 +46,7 @@ from kvferry.engine.runner.step_staging import StepStaging, StepTensors
 from kvferry.engine.sample.metadata import SamplingMetadata
 from kvferry.engine.sample.sampler import Sampler, SamplerOutput
 from kvferry.engine.sample.uploads import PinnedUploads
-from kvferry.kvtransfer.memory import allocate_kv_cache
+from kvferry.kvtransfer.memory import allocate_kv_cache, shared_kv_cache
 
 if TYPE_CHECKING:
     from kvferry.engine.structured_output.manager import GrammarBitmask
@@ -124,8 +124,11 @@ class ModelRunner:
         # This process's tensor-parallel rank: its model holds its shard of every layer,
         # its KV cache its kv heads only.
         self.tp = tp or TensorParallel()
-        self.num_kv_heads = (arch.num_kv_heads if self.tp.size == 1 else
-                             shard_heads(arch.num_heads, arch.num_kv_heads, self.tp).num_kv_heads)
+        heads = None if self.tp.size == 1 else shard_heads(arch.num_heads, arch.num_kv_heads,
+                                                            self.tp)
+        self.num_kv_heads = arch.num_kv_heads if heads is None else heads.num_kv_heads
+        # The first of the model's kv heads this rank's cache holds.
+        self.first_kv_head = 0 if heads is None else heads.first_kv_head
         # The cache is registered with NIXL: allocate it where pulls read it fast.
         self._transfer_memory = transfer_memory
         self.device = device
@@ -194,8 +197,11 @@ class ModelRunner:
                               arch.max_encoder_positions, arch.encoder_input,
                               arch.num_mel_bins)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_cache, self.kv_caches = self._allocate_kv_cache(num_blocks, self.dtype)
+    def initialize_kv_cache(self, num_blocks: int, shared_path: str | None = None) -> None:
+        """Allocates the cache; with `shared_path` (CPU) in that file's shared memory, which
+        another process (the engine core of a pipeline) maps too."""
+        self.kv_cache, self.kv_caches = self._allocate_kv_cache(num_blocks, self.dtype,
+                                                                shared_path)
 
     @property
     def decode_graph_sizes(self) -> list[int]:
@@ -220,10 +226,14 @@ class ModelRunner:
         self.graphs = graphs
 
     def _allocate_kv_cache(
-        self, num_blocks: int, dtype: torch.dtype
+        self, num_blocks: int, dtype: torch.dtype, shared_path: str | None = None,
     ) -> tuple[torch.Tensor, list[KVCacheView]]:
         shape = self.kv_cache_shape(num_blocks)
-        if self._transfer_memory:
+        if shared_path is not None:
+            if self.device.type != "cpu":
+                raise ValueError("a KV cache in shared memory is a CPU cache")
+            kv_cache = shared_kv_cache(shared_path, shape, dtype)
+        elif self._transfer_memory:
             kv_cache = allocate_kv_cache(shape, dtype, self.device)
         else:
             kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)

@@ -299,3 +299,31 @@ def test_a_mismatch_names_the_field(remote: HandshakeInfo, field: str) -> None:
     with pytest.raises(IncompatibleProducerError, match=f"{field} is .* there and .* here") as e:
         check_compatible(local_identity(), "h:1", remote)
     assert e.value.field == field
+
+
+def _two_stages(second: KVLayout) -> tuple[LocalIdentity, HandshakeInfo]:
+    """This engine of two pipeline stages, and a producer whose stage 1 is `second`."""
+    first = KVLayout(4, 1, 2, 16, "float16", 2)
+    ours = [first, KVLayout(4, 1, 2, 16, "float16", 2, first_layer=1)]
+    theirs = [first, second]
+    local = LocalIdentity("m", ours, compatibility_hash("m", ours, 2), (2, 1))
+    region = handshake_info().regions[0]
+    remote = msgspec.structs.replace(
+        handshake_info(), layouts=theirs, regions=[region, region], pipeline_parallel_size=2,
+        compat_hash=compatibility_hash("m", theirs, 2))
+    return local, remote
+
+
+def test_engines_of_other_parallel_sizes_or_splits_are_refused_by_name() -> None:
+    local, remote = _two_stages(KVLayout(4, 1, 2, 16, "float16", 2, first_layer=1))
+    check_compatible(local, "h:1", remote)
+    with pytest.raises(IncompatibleProducerError,
+                       match="tensor_parallel_size is 2 there and 1 here"):
+        check_compatible(local, "h:1", msgspec.structs.replace(remote, tensor_parallel_size=2))
+    with pytest.raises(IncompatibleProducerError,
+                       match="pipeline_parallel_size is 1 there and 2 here"):
+        check_compatible(local, "h:1", handshake_info())
+    # The same sizes, the layers split otherwise (another pp_layer_partition).
+    local, remote = _two_stages(KVLayout(4, 1, 2, 16, "float16", 2, first_layer=2))
+    with pytest.raises(IncompatibleProducerError, match="rank 1 first_layer is 2 there and 1 here"):
+        check_compatible(local, "h:1", remote)

@@ -18,6 +18,18 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from kvferry_testing.pd_pods import (
+    BLOCK_SIZE,
+    MAX_TOKENS,
+    Trio,
+    bytes_pulled,
+    failures,
+    prefill_then_decode,
+    prompt_of,
+    start_role,
+    used_blocks,
+    wait_for,
+)
 from kvferry_testing.serve_helpers import API_KEY, KV_CACHE_BYTES, MAX_MODEL_LEN, ServerProcess
 
 from kvferry import LLM, SamplingParams
@@ -116,6 +128,32 @@ def test_tensor_parallel_serving_equals_the_single_process_engine(
         assert len(_stage_pids(server.engine_pid())) == 2
     finally:
         server.kill_group()
+
+
+def test_prefill_and_decode_pods_of_two_stages_disaggregate(
+    server_factory: Callable[..., ServerProcess], model: Path, offline: LLM,
+) -> None:
+    """A `--role prefill` and a `--role decode` server, both `--pipeline-parallel-size 2`:
+    the decode pod pulls each stage's blocks from the prefill pod's same stage over NIXL,
+    and answers as the single-process engine does."""
+    prefill = start_role(server_factory, model, "prefill", "--pipeline-parallel-size", "2")
+    decode = start_role(server_factory, model, "decode", "--pipeline-parallel-size", "2")
+    try:
+        prompt = prompt_of(3 * BLOCK_SIZE + 5, seed=11)
+        [expected] = offline.generate({"prompt_token_ids": prompt}, SamplingParams(
+            temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+        text, params = prefill_then_decode(Trio(prefill, decode, colocated=prefill), prompt)
+        assert text == expected.outputs[0].text
+        assert len(params["remote_block_ids"]) == 4
+        # All but the last prompt token: 4 blocks of all 3 layers (2 on stage 0, 1 on
+        # stage 1), 2 kv heads of 16 float32 dims each.
+        assert bytes_pulled(decode) == 4 * 3 * 2 * BLOCK_SIZE * 2 * 16 * 4
+        assert failures(decode, "incompatible") == 0
+        assert wait_for(lambda: used_blocks(prefill) == 0.0 and used_blocks(decode) == 0.0)
+        assert len(_stage_pids(decode.engine_pid())) == 2
+    finally:
+        prefill.kill_group()
+        decode.kill_group()
 
 
 # Last in the module: it ends the server.
