@@ -145,13 +145,6 @@ def kv_transfer_config(
     if args.role == "both" and not args.kv_transfer:
         if port is None:
             return None
-        if args.pipeline_parallel_size * args.tensor_parallel_size > 1 and args.nixl_port is None:
-            # The service's side-channel port (the operator's ConfigMap) is for pods that
-            # transfer; a colocated parallel pod needs none to serve, and on a GPU (the
-            # operator's pods) its ranks' caches cannot be registered yet.
-            logger.info("pipeline/tensor parallelism: this colocated pod takes part in no KV "
-                        "transfer")
-            return None
     if transfer_key is not None and args.kv_transfer_insecure:
         raise ValueError(f"--kv-transfer-insecure and a KV transfer key (--kv-transfer-key-file "
                          f"or ${KEY_ENV}) exclude each other: drop one")

@@ -41,14 +41,13 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from kvferry.engine.core.kv_connector import (
     FinishedTransfers,
     KVConnector,
     KVConnectorSchedulerBase,
-    RankCache,
     TransferFailure,
 )
 from kvferry.kvtransfer.auth import ParamsRefusal, check_params, sign_params
@@ -57,6 +56,9 @@ from kvferry.kvtransfer.heartbeat import LeaseKeeper
 from kvferry.kvtransfer.lease import LeaseTable
 from kvferry.kvtransfer.metrics import FailureReason, KVTransferMetrics
 from kvferry.kvtransfer.params import BlockIdGroups, KVTransferParams, prompt_hash
+
+if TYPE_CHECKING:
+    from kvferry.kvtransfer.ranked import RankedBackend
 
 logger = logging.getLogger(__name__)
 
@@ -465,22 +467,27 @@ def _same_prompt(prompt_token_ids: Sequence[int], params: KVTransferParams,
 
 
 def start_nixl_connector(
-    config: KVTransferConfig, kv_cache: torch.Tensor | Sequence[torch.Tensor] | Sequence[RankCache],
-    block_size: int, parallel_sizes: tuple[int, int] = (1, 1),
+    config: KVTransferConfig, kv_cache: torch.Tensor | Sequence[torch.Tensor] | RankedBackend,
+    block_size: int, parallel_sizes: tuple[int, int] = (1, 1), agent_name: str | None = None,
 ) -> KVConnector | None:
     """Registers the cache with NIXL and opens the side channel (its port is bound now).
-    `kv_cache`: as `KVConnectorWorker.register_kv_caches` takes it.
+    `kv_cache`: as `KVConnectorWorker.register_kv_caches` takes it, or a parallel engine's
+    rank agents (`attach_ranks`), named after `agent_name`.
 
     None without a key (and not insecure): such a pod takes part in no transfer, so it
     registers no memory and serves no side channel (its front end refuses the params).
     """
+    from kvferry.kvtransfer.ranked import RankedBackend
     from kvferry.kvtransfer.worker import KVConnectorWorker
 
     if not config.may_transfer:
         logger.warning("no KV transfer key: the KV connector is not started")
         return None
     metrics = KVTransferMetrics()
-    worker = KVConnectorWorker(config, metrics)
-    endpoint = worker.register_kv_caches(kv_cache, parallel_sizes)
+    worker = KVConnectorWorker(config, metrics, agent_name)
+    if isinstance(kv_cache, RankedBackend):
+        endpoint = worker.attach_ranks(kv_cache, parallel_sizes)
+    else:
+        endpoint = worker.register_kv_caches(kv_cache)
     scheduler = KVConnectorScheduler(config, block_size, endpoint, worker.leases, metrics)
     return KVConnector(scheduler, worker, metrics.snapshot)

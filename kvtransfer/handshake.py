@@ -108,7 +108,7 @@ class RemoteEngines:
                 if cached.info.agent_name == info.agent_name:
                     return cached
                 self.forget(engine_id)
-        self._backend.add_remote(info.agent_metadata)
+        self._backend.connect(info)
         engine = RemoteEngine(address, info)
         self._by_engine[info.engine_id] = engine
         logger.info("handshake with engine %s at %s (agent %s)", info.engine_id, address,

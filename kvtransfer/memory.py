@@ -33,16 +33,6 @@ def allocate_kv_cache(
     return cache.zero_()
 
 
-def shared_kv_cache(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A CPU cache tensor mapped from the file `path` (created, zeroed, when absent), shared
-    with every process that maps the same file: the pipeline's workers allocate their caches
-    so, and the engine core maps them to register them for transfers."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
-
-
 def advise_huge_pages(address: int, num_bytes: int) -> bool:
     """Asks for huge pages over the 2 MiB-aligned part of a range; False if refused.
 

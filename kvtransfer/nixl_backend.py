@@ -42,10 +42,13 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from kvferry.kvtransfer.layout import RegionInfo, run_descriptors
+
+if TYPE_CHECKING:
+    from kvferry.kvtransfer.side_channel import HandshakeInfo
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,8 @@ class GroupRead:
     block_bytes: int
     # (num_runs, 3) rows (local_start, remote_start, num_blocks) from `block_runs`.
     runs: np.ndarray
+    # The rank of a parallel engine whose cache it reads and writes (ranked.py).
+    rank: int = 0
 
 
 @dataclass
@@ -154,6 +159,10 @@ class NixlBackend:
     def metadata(self) -> bytes:
         """This agent's metadata, for the side channel to serve."""
         return self._agent.get_agent_metadata()
+
+    def connect(self, info: HandshakeInfo) -> None:
+        """Loads a producer's agent, from its handshake."""
+        self.add_remote(info.agent_metadata)
 
     def add_remote(self, metadata: bytes) -> str:
         """Loads a producer's metadata; returns its agent name."""

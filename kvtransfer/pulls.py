@@ -258,6 +258,7 @@ class Puller:
                 reads.append(GroupRead(
                     local=self._regions[index], remote=info.regions[index],
                     block_bytes=self._layouts[index].block_bytes, runs=runs,
+                    rank=index % self._num_ranks,
                 ))
         return reads
 

@@ -61,6 +61,10 @@ class HandshakeInfo(msgspec.Struct, frozen=True):
     # have a cache per group; a consumer of the same sizes reads rank r into its rank r.
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
+    # A parallel engine's ranks' NIXL agents (names, metadata), in rank order: each rank
+    # registers its own cache, and `agent_metadata` is empty. [] for one process's agent.
+    rank_agents: list[str] = []
+    rank_agent_metadata: list[bytes] = []
 
     @property
     def num_ranks(self) -> int:

@@ -19,7 +19,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 
-from kvferry.engine.core.kv_connector import KVConnectorWorkerBase, RankCache
+from kvferry.engine.core.kv_connector import KVConnectorWorkerBase
 from kvferry.kvtransfer.config import KVTransferConfig
 from kvferry.kvtransfer.connector import (
     KVConnectorMetadata,
@@ -34,6 +34,7 @@ from kvferry.kvtransfer.metrics import FailureReason, HoldEnd, KVTransferMetrics
 from kvferry.kvtransfer.nixl_backend import NixlBackend
 from kvferry.kvtransfer.params import TRANSFER_PROTOCOL_VERSION
 from kvferry.kvtransfer.pulls import PULLED_NOTIF_PREFIX, Puller
+from kvferry.kvtransfer.ranked import RankedBackend
 from kvferry.kvtransfer.side_channel import HandshakeInfo, SideChannelServer
 
 logger = logging.getLogger(__name__)
@@ -46,17 +47,18 @@ IDLE_POLL_S = 0.01
 class KVConnectorWorker(KVConnectorWorkerBase):
     """Moves KV blocks for one engine, as producer and as consumer."""
 
-    def __init__(self, config: KVTransferConfig, metrics: KVTransferMetrics) -> None:
+    def __init__(self, config: KVTransferConfig, metrics: KVTransferMetrics,
+                 agent_name: str | None = None) -> None:
+        """`agent_name`: the one `new_agent_name(config)` gave (a parallel engine's ranks'
+        agents are named after it), else a new one."""
         config.require_may_transfer()
         self.config = config
         self.metrics = metrics
-        self.engine_id = config.engine_id or uuid.uuid4().hex[:12]
-        # Unique per process: a restarted producer is a new agent even under the same id.
-        self.agent_name = f"kvferry-{self.engine_id}-{uuid.uuid4().hex[:8]}"
+        self.agent_name = agent_name or new_agent_name(config)
+        self.engine_id = engine_id_of(self.agent_name)
         self.leases = LeaseTable(config.lease_s, metrics)
-        self._backend: NixlBackend | None = None
+        self._backend: NixlBackend | RankedBackend | None = None
         self._layouts: list[KVLayout] = []
-        self._parallel_sizes = (1, 1)
         self._regions: list[RegionInfo] = []
         self._server: SideChannelServer | None = None
         self._puller: Puller | None = None
@@ -70,43 +72,54 @@ class KVConnectorWorker(KVConnectorWorkerBase):
         self._output = KVConnectorOutput()
 
     # ------------------------------------------------------------------ setup
-    def register_kv_caches(self, kv_caches: object | Sequence[object],
-                           parallel_sizes: tuple[int, int] = (1, 1)) -> ProducerEndpoint:
-        """Registers the cache tensor of every block group and starts the side channel.
+    def register_kv_caches(self, kv_caches: object | Sequence[object]) -> ProducerEndpoint:
+        """Registers the cache tensor of every block group with an agent of this process,
+        and starts the side channel.
 
-        `kv_caches`: one tensor (one group), a sequence indexed by group, each
-        (num_blocks, num_layers, 2, block_size, num_kv_heads, head_size), contiguous, or
-        one `RankCache` per rank of an engine of `parallel_sizes` (pipeline, tensor), in
-        rank order. This process must be able to address every rank's memory.
+        `kv_caches`: one tensor (one group) or a sequence indexed by group, each
+        (num_blocks, num_layers, 2, block_size, num_kv_heads, head_size), contiguous.
         """
         if self._backend is not None:
-            raise RuntimeError("register_kv_caches was already called")
-        ranks = _as_ranks(kv_caches)
-        if len(ranks) != parallel_sizes[0] * parallel_sizes[1]:
-            raise ValueError(f"{len(ranks)} ranks' caches for parallel sizes {parallel_sizes}")
-        if len({len(rank.groups) for rank in ranks}) != 1:
-            raise ValueError("every rank must have a cache of each block group")
-        # Group-major, rank-minor (HandshakeInfo.layouts).
-        placed = [(rank, cache) for group in range(len(ranks[0].groups))
-                  for rank in ranks for cache in (rank.groups[group],)]
-        caches = [cache for _, cache in placed]
-        self._parallel_sizes = parallel_sizes
-        self._layouts = [KVLayout.of_cache(cache, rank.first_layer, rank.first_kv_head)
-                         for rank, cache in placed]
-        self._backend = NixlBackend(
+            raise RuntimeError("the KV caches are already registered")
+        caches = list(kv_caches) if isinstance(kv_caches, (list, tuple)) else [kv_caches]
+        backend = NixlBackend(
             self.agent_name, self.config.ucx_error_handling_mode, self.config.nixl_progress_thread,
             self.config.read_threads, self.config.read_split_min_bytes,
             self.config.ucx_net_devices,
         )
-        self._regions = [self._backend.register(c) for c in caches]
+        layouts = [KVLayout.of_cache(c) for c in caches]
+        return self._start(backend, layouts, [backend.register(c) for c in caches], (1, 1))
+
+    def attach_ranks(self, backend: RankedBackend,
+                     parallel_sizes: tuple[int, int]) -> ProducerEndpoint:
+        """A parallel engine's ranks (pipeline, tensor sizes `parallel_sizes`), each of whose
+        caches its worker's agent registered; starts the side channel."""
+        if self._backend is not None:
+            raise RuntimeError("the KV caches are already registered")
+        ranks = backend.ranks
+        if len(ranks) != parallel_sizes[0] * parallel_sizes[1] or backend.agent_name != (
+                self.agent_name):
+            raise ValueError(f"{len(ranks)} rank agents of {backend.agent_name} for parallel "
+                             f"sizes {parallel_sizes} of {self.agent_name}")
+        groups = range(len(ranks[0].layouts))
+        layouts = [rank.layouts[g] for g in groups for rank in ranks]
+        regions = [rank.regions[g] for g in groups for rank in ranks]
+        backend.on_report = self._wake.set
+        return self._start(backend, layouts, regions, parallel_sizes)
+
+    def _start(self, backend: NixlBackend | RankedBackend, layouts: list[KVLayout],
+               regions: list[RegionInfo], parallel_sizes: tuple[int, int]) -> ProducerEndpoint:
+        """`layouts`, `regions`: per group, and within a group per rank (HandshakeInfo's)."""
+        self._backend, self._layouts, self._regions = backend, layouts, regions
+        num_ranks = parallel_sizes[0] * parallel_sizes[1]
         local = LocalIdentity(
-            self.config.model_id, self._layouts,
-            compatibility_hash(self.config.model_id, self._layouts, len(ranks)), parallel_sizes,
+            self.config.model_id, layouts,
+            compatibility_hash(self.config.model_id, layouts, num_ranks), parallel_sizes,
         )
-        engines = RemoteEngines(self._backend, local)
+        engines = RemoteEngines(backend, local)
         auth = self.config.side_channel_auth()
-        self._puller = Puller(self.config, self.metrics, self._backend, engines,
-                              (self._layouts, self._regions, len(ranks)), self._wake.set, auth)
+        self._puller = Puller(self.config, self.metrics, backend, engines,
+                              (layouts, regions, num_ranks), self._wake.set, auth)
         self._server = SideChannelServer(
             self.config.side_channel_host, self.config.side_channel_port,
             self._handshake_info(local), self.leases, auth,
@@ -118,6 +131,7 @@ class KVConnectorWorker(KVConnectorWorkerBase):
 
     def _handshake_info(self, local: LocalIdentity) -> HandshakeInfo:
         assert self._backend is not None
+        ranks = self._backend.ranks if isinstance(self._backend, RankedBackend) else []
         return HandshakeInfo(
             protocol_version=TRANSFER_PROTOCOL_VERSION, engine_id=self.engine_id,
             agent_name=self.agent_name, agent_metadata=self._backend.metadata,
@@ -125,6 +139,7 @@ class KVConnectorWorker(KVConnectorWorkerBase):
             compat_hash=local.compat_hash, lease_s=self.config.lease_s,
             pipeline_parallel_size=local.parallel_sizes[0],
             tensor_parallel_size=local.parallel_sizes[1],
+            rank_agents=[r.agent_name for r in ranks], rank_agent_metadata=[r.metadata for r in ranks],
         )
 
     @property
@@ -218,11 +233,13 @@ class KVConnectorWorker(KVConnectorWorkerBase):
 
 
 
-def _as_ranks(kv_caches: object | Sequence[object]) -> list[RankCache]:
-    """`register_kv_caches`'s argument as one RankCache per rank."""
-    items = list(kv_caches) if isinstance(kv_caches, (list, tuple)) else [kv_caches]
-    if items and all(isinstance(item, RankCache) for item in items):
-        return items  # type: ignore[return-value]
-    if any(isinstance(item, RankCache) for item in items):
-        raise ValueError("pass one RankCache per rank, or the cache tensors of one rank")
-    return [RankCache(groups=tuple(items))]  # type: ignore[arg-type]
+
+def new_agent_name(config: KVTransferConfig) -> str:
+    """A name for an engine's NIXL agent, unique per process start (a restarted producer is a
+    new agent even under the same engine id): `kvferry-<engine id>-<random>`."""
+    engine_id = config.engine_id or uuid.uuid4().hex[:12]
+    return f"kvferry-{engine_id}-{uuid.uuid4().hex[:8]}"
+
+
+def engine_id_of(agent_name: str) -> str:
+    return agent_name.removeprefix("kvferry-").rsplit("-", 1)[0]

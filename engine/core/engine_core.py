@@ -26,13 +26,12 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from kvferry.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvferry.engine.core.kv_cache import KVCacheManager
-from kvferry.engine.core.kv_connector import RankCache, start_kv_connector
+from kvferry.engine.core.kv_connector import start_kv_connector
 from kvferry.engine.core.messages import (
     EngineCoreInfo,
     EngineCoreOutput,
@@ -87,6 +86,8 @@ class EngineCore:
         # the stages' worker processes (engine/executor/pipeline.py), and then no runner.
         self.runner: ModelRunner | None = None
         self.executor: Executor
+        # The NIXL agent name of a pipeline's transfers (its ranks' agents derive theirs).
+        self._transfer_agent_name: str | None = None
         if config.parallel.world_size > 1:
             pipeline = self._start_pipeline()
             self.executor = pipeline
@@ -94,7 +95,7 @@ class EngineCore:
             try:
                 check_kv_cache_fits(num_blocks, cache_cfg, self.max_model_len, self.device,
                                     max_encoder_len)
-                pipeline.initialize_kv_cache(num_blocks, share=config.kv_transfer is not None)
+                pipeline.initialize_kv_cache(num_blocks, self._rank_agent_specs(pipeline))
             except BaseException:  # no worker outlives a core that did not start
                 pipeline.shutdown()
                 raise
@@ -127,10 +128,11 @@ class EngineCore:
         )
         self.kv_connector = (
             None if config.kv_transfer is None
-            else start_kv_connector(config.kv_transfer, self._transfer_ranks(),
+            else start_kv_connector(config.kv_transfer, self._transfer_caches(),
                                     cache_cfg.block_size,
                                     (config.parallel.pipeline_parallel_size,
-                                     config.parallel.tensor_parallel_size))
+                                     config.parallel.tensor_parallel_size),
+                                    self._transfer_agent_name)
         )
         # Grammars of structured outputs; llguidance loads with the first constraint.
         tokenizer_dir = (resolve_model_source(model_cfg.tokenizer) if model_cfg.tokenizer
@@ -193,10 +195,6 @@ class EngineCore:
         parallel = config.parallel
         sizes = (f"pipeline_parallel_size {parallel.pipeline_parallel_size} and "
                  f"tensor_parallel_size {parallel.tensor_parallel_size}")
-        if config.kv_transfer is not None and self.device.type != "cpu":
-            raise ValueError(f"KV transfer (--role prefill/decode/encoder) with {sizes} runs "
-                             "on CPU only for now: the engine core's NIXL agent registers "
-                             "every rank's cache, and cannot address the workers' GPU memory")
         if sched_cfg.async_scheduling:
             raise ValueError(f"async_scheduling with {sizes} is not available yet: the "
                              "stages overlap microbatches instead")
@@ -210,20 +208,32 @@ class EngineCore:
             sched_cfg.max_concurrent_batches = pipeline.max_concurrent_batches
         return pipeline
 
-    def _transfer_ranks(self) -> list[RankCache]:
-        """Each rank's cache tensor of each block group the transfer layer moves: self-
-        attention, and (encoder-decoder models) cross-attention, whose blocks share the one
-        pool. One rank in this process; a pipeline's ranks in its workers' shared memory."""
-        if self.runner is not None:
-            caches = [RankCache((self.runner.kv_cache,))]
-        else:
+    def _rank_agent_specs(self, pipeline: PipelineExecutor) -> list[Any] | None:
+        """With KV transfer, the NIXL agent each of the pipeline's workers starts for its
+        rank's cache (kvtransfer/ranked.py), named after this engine's agent."""
+        transfer = self.config.kv_transfer
+        if transfer is None:
+            return None
+        from kvferry.kvtransfer.ranked import RankAgentSpec
+        from kvferry.kvtransfer.worker import new_agent_name
+
+        self._transfer_agent_name = new_agent_name(transfer)
+        num_groups = 2 if self.arch.is_encoder_decoder else 1
+        return [RankAgentSpec.for_rank(transfer, self._transfer_agent_name, rank, num_groups)
+                for rank in range(len(pipeline.workers))]
+
+    def _transfer_caches(self) -> Any:
+        """What the transfer layer registers: the cache tensor of each block group it moves
+        (self-attention, and for encoder-decoder models cross-attention, whose blocks share
+        the one pool); or, for a pipeline, its workers' agents, which registered theirs."""
+        if self.runner is None:
             from kvferry.engine.executor.pipeline import PipelineExecutor
+            from kvferry.kvtransfer.ranked import RankedBackend
 
             assert isinstance(self.executor, PipelineExecutor)
-            caches = self.executor.rank_caches
-        if self.arch.is_encoder_decoder:
-            caches = [replace(rank, groups=(rank.groups[0], rank.groups[0])) for rank in caches]
-        return caches
+            return RankedBackend(self._transfer_agent_name, *self.executor.transfer_agents())
+        kv_cache = self.runner.kv_cache
+        return (kv_cache, kv_cache) if self.arch.is_encoder_decoder else kv_cache
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> None:

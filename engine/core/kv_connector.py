@@ -164,16 +164,6 @@ class KVConnectorWorkerBase(ABC):
     def shutdown(self) -> None: ...
 
 
-@dataclass(frozen=True)
-class RankCache:
-    """One rank's KV cache (an engine of P pipeline stages x T tensor-parallel shards has P x T,
-    rank s * T + t), per block group, and the part of the model it holds."""
-
-    groups: Sequence[torch.Tensor]
-    first_layer: int = 0
-    first_kv_head: int = 0
-
-
 @dataclass
 class KVConnector:
     """Both sides of one engine's connector, and its counters for the step stats."""
@@ -197,15 +187,16 @@ class KVConnector:
 
 
 def start_kv_connector(
-    config: Any, ranks: Sequence[RankCache], block_size: int,
-    parallel_sizes: tuple[int, int] = (1, 1),
+    config: Any, kv_cache: Sequence[torch.Tensor] | Any, block_size: int,
+    parallel_sizes: tuple[int, int] = (1, 1), agent_name: str | None = None,
 ) -> KVConnector | None:
-    """The connector `config` names, with every rank's cache registered for transfers (one
-    rank without parallelism; `parallel_sizes` is (pipeline, tensor)); None when the config
-    allows no transfer (the engine then runs without one).
+    """The connector `config` names, with the engine's cache registered for transfers: this
+    process's tensors (one per block group), or (a parallel engine of `parallel_sizes`, as
+    (pipeline, tensor)) the transfer agents its executor's workers started, named after
+    `agent_name`. None when the config allows no transfer (the engine then runs without one).
 
     Only the NIXL connector exists; it is imported here, when an engine runs one.
     """
     from kvferry.kvtransfer.connector import start_nixl_connector
 
-    return start_nixl_connector(config, ranks, block_size, parallel_sizes)
+    return start_nixl_connector(config, kv_cache, block_size, parallel_sizes, agent_name)

@@ -24,6 +24,7 @@ from kvferry.engine.executor.partition import PipelineStage
 
 if TYPE_CHECKING:
     import torch
+    from kvferry.kvtransfer.ranked import RankAgentInfo, RankAgentSpec
 
 
 @dataclass(frozen=True)
@@ -71,17 +72,16 @@ class InitializeKVCache:
     """Allocate the stage's cache: the same number of blocks on every stage."""
 
     num_blocks: int
-    # (CPU) The file whose shared memory holds the cache, for the core to map too (KV
-    # transfer registers every rank's cache in the core's process).
-    shared_path: str | None = None
+    # KV transfer: how to build the worker's NIXL agent, which registers the cache and
+    # serves the core's transfer commands (kvtransfer/ranked.py) on the worker's second pipe.
+    transfer: RankAgentSpec | None = None
 
 
 @dataclass(frozen=True)
 class KVCacheReady:
     stage_index: int
-    # The cache tensor's shape, and the first of the model's kv heads it holds.
-    shape: tuple[int, ...] = ()
-    first_kv_head: int = 0
+    # KV transfer: the worker's agent, its cache registered.
+    transfer: RankAgentInfo | None = None
 
 
 @dataclass

@@ -40,7 +40,7 @@ import signal
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -51,7 +51,6 @@ from typing import TYPE_CHECKING
 
 import torch
 from kvferry.engine.config import CacheConfig, ParallelConfig
-from kvferry.engine.core.kv_connector import RankCache
 from kvferry.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvferry.engine.executor.base import Executor
 from kvferry.engine.executor.messages import (
@@ -74,10 +73,10 @@ from kvferry.engine.executor.worker import recv_message, run_worker, send_messag
 from kvferry.engine.models.config import ModelArchConfig
 from kvferry.engine.models.loader import check_pipeline_support, check_tensor_parallel_support
 from kvferry.engine.runner.model_runner import num_blocks_in_budget
-from kvferry.kvtransfer.memory import shared_kv_cache
 
 if TYPE_CHECKING:
     from kvferry.engine.structured_output.manager import GrammarBitmask
+    from kvferry.kvtransfer.ranked import RankAgentInfo, RankAgentSpec
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +106,8 @@ class _Worker:
     conn: Connection
     # Its rank in the stage's tensor-parallel group.
     tp_rank: int = 0
+    # The pipe of its KV transfer agent's commands and reports.
+    transfer_conn: Connection | None = None
     # Pickled messages (or a step and its grammar bitmask) for the sender thread; None
     # stops it.
     outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
@@ -140,9 +141,7 @@ class PipelineExecutor(Executor):
         self.stages = pipeline_stages(arch.num_layers, num_stages, parallel.pp_layer_partition)
         self.cache = cache
         devices = stage_devices(device, num_stages * self.tp_size)
-        self._devices, self._dtype = devices, dtype
-        # (initialize_kv_cache with `share`) Every rank's cache, mapped in this process.
-        self.rank_caches: list[RankCache] = []
+        self._transfer_infos: list[RankAgentInfo] = []
         self._rendezvous_dir = tempfile.mkdtemp(prefix="kvferry-pp-")
         self.workers: list[_Worker] = []
         self._lock = threading.Lock()
@@ -182,12 +181,16 @@ class PipelineExecutor(Executor):
         places = [(stage, tp_rank) for stage in self.stages for tp_rank in range(self.tp_size)]
         for (stage, tp_rank), device in zip(places, devices):
             ours, theirs = context.Pipe(duplex=True)
-            process = context.Process(target=run_worker, args=(theirs, os.getpid()),
+            # KV transfer commands go apart from the steps (kvtransfer/ranked.py).
+            transfer_ours, transfer_theirs = context.Pipe(duplex=True)
+            process = context.Process(target=run_worker,
+                                      args=(theirs, os.getpid(), transfer_theirs),
                                       name=f"kvferry-pp-stage-{stage.index}-tp-{tp_rank}",
                                       daemon=True)
             process.start()
             theirs.close()
-            self.workers.append(_Worker(stage, process, ours, tp_rank))
+            transfer_theirs.close()
+            self.workers.append(_Worker(stage, process, ours, tp_rank, transfer_ours))
             send_message(ours, StageStart(
                 stage=stage, model_dir=str(model_dir), dtype=str(dtype).removeprefix("torch."),
                 device=str(device), cache=cache, max_num_reqs=settings.max_num_reqs,
@@ -242,37 +245,21 @@ class PipelineExecutor(Executor):
         return min(num_blocks_in_budget(r.block_bytes, self.cache, r.kv_cache_budget)
                    for r in self.ready)
 
-    def initialize_kv_cache(self, num_blocks: int, share: bool = False) -> None:
+    def initialize_kv_cache(self, num_blocks: int,
+                            transfer: Sequence[RankAgentSpec] | None = None) -> None:
         """Allocates every stage's cache, then starts the threads that run steps.
 
-        `share` (CPU): every worker's cache lies in shared memory that this process maps
-        too (`rank_caches`), for the KV transfer layer to register. A GPU cache cannot be
-        shared so: ValueError.
+        `transfer`: per worker (rank order), the NIXL agent that registers its cache and
+        serves the engine's KV transfers; their pipes and what they report are then
+        `transfer_agents()`.
         """
-        if share and self.workers and self._devices[0].type != "cpu":
-            raise ValueError(
-                "KV transfer between tensor- or pipeline-parallel engines runs on CPU only for "
-                "now: every rank's cache is registered by the engine core's NIXL agent, which "
-                "cannot address another process's GPU memory")
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        shared_dir = tempfile.mkdtemp(prefix="kvferry-kv-", dir=shm) if share else None
-        try:
-            paths = [None if shared_dir is None else os.path.join(shared_dir, f"rank-{i}")
-                     for i in range(len(self.workers))]
-            for worker, path in zip(self.workers, paths, strict=True):
-                send_message(worker.conn, InitializeKVCache(num_blocks, path))
-            ready: list[KVCacheReady] = self._expect_from_all(KVCacheReady)
-            if shared_dir is not None:
-                self.rank_caches = [
-                    RankCache((shared_kv_cache(path, r.shape, self._dtype),),
-                              worker.stage.start_layer, r.first_kv_head)
-                    for worker, path, r in zip(self.workers, paths, ready, strict=True)
-                    if path is not None
-                ]
-        finally:
-            # Mapped by the workers and by this process: the files themselves can go.
-            if shared_dir is not None:
-                shutil.rmtree(shared_dir, ignore_errors=True)
+        if transfer is not None and len(transfer) != len(self.workers):
+            raise ValueError(f"{len(transfer)} transfer agents for {len(self.workers)} workers")
+        for rank, worker in enumerate(self.workers):
+            send_message(worker.conn, InitializeKVCache(
+                num_blocks, None if transfer is None else transfer[rank]))
+        ready: list[KVCacheReady] = self._expect_from_all(KVCacheReady)
+        self._transfer_infos = [r.transfer for r in ready if r.transfer is not None]
         for worker in self.workers:
             worker.sender = threading.Thread(
                 target=_send_loop, args=(worker,), daemon=True,
@@ -280,6 +267,12 @@ class PipelineExecutor(Executor):
             worker.sender.start()
         self._reader = threading.Thread(target=self._read_loop, name="pp-read", daemon=True)
         self._reader.start()
+
+    def transfer_agents(self) -> tuple[list[Connection], list[RankAgentInfo]]:
+        """The workers' transfer pipes and agents, in rank order (after `initialize_kv_cache`
+        with `transfer`)."""
+        conns = [w.transfer_conn for w in self.workers if w.transfer_conn is not None]
+        return conns, list(self._transfer_infos)
 
     # ------------------------------------------------------------------ steps
     def submit(self, scheduler_output: SchedulerOutput,
@@ -463,6 +456,8 @@ class PipelineExecutor(Executor):
                 thread.join(KILL_GRACE_S)
         for worker in self.workers:
             worker.conn.close()
+            if worker.transfer_conn is not None and not self._transfer_infos:
+                worker.transfer_conn.close()  # no agent: nobody else took the pipe
         self._wake_reader.close()
         self._reader_wakeup.close()
         shutil.rmtree(self._rendezvous_dir, ignore_errors=True)

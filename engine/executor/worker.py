@@ -20,6 +20,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,9 @@ from kvferry.engine.executor.messages import (
 from kvferry.engine.executor.partition import PipelineStage
 from kvferry.engine.executor.stage_runner import StageRunner, StageStepFailed
 from kvferry.engine.layers.tensor_parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from kvferry.kvtransfer.ranked import RankAgentInfo, RankAgentSpec
 
 logger = logging.getLogger(__name__)
 
@@ -93,14 +97,35 @@ class PendingBitmask:
 class StageWorker:
     """The message loop of one stage."""
 
-    def __init__(self, runner: StageRunner, conn: Connection) -> None:
+    def __init__(self, runner: StageRunner, conn: Connection,
+                 transfer_conn: Connection | None = None) -> None:
         self.runner = runner
         self.conn = conn
+        # The pipe of the KV transfer commands (kvtransfer/ranked.py), when the engine runs
+        # a connector.
+        self.transfer_conn = transfer_conn
         self.stage = runner.pipeline_stage
         # A stage's tensor-parallel rank 0 speaks for it: the last stage's answers steps
         # (and is sent their grammar bitmasks); each stage's reports its timing.
         self.speaks = runner.tp.rank == 0
         self.answers = self.stage.is_last and self.speaks
+
+    def _start_transfer_agent(self, spec: RankAgentSpec | None) -> RankAgentInfo | None:
+        """This rank's NIXL agent, its cache registered (once per block group it serves),
+        serving the core's transfer commands from a thread of its own."""
+        if spec is None:
+            return None
+        if self.transfer_conn is None:
+            raise ValueError("KV transfer needs the worker's transfer pipe")
+        from kvferry.kvtransfer.ranked import RankAgentServer
+
+        runner = self.runner
+        rank = self.stage.index * runner.tp.size + runner.tp.rank
+        server = RankAgentServer(self.transfer_conn, spec, rank,
+                                 [runner.kv_cache] * spec.num_groups,
+                                 self.stage.start_layer, runner.first_kv_head)
+        server.start()
+        return server.info
 
     def run(self) -> None:
         while True:
@@ -108,10 +133,9 @@ class StageWorker:
             if isinstance(message, StepRequest):
                 self._step(message)
             elif isinstance(message, InitializeKVCache):
-                self.runner.initialize_kv_cache(message.num_blocks, message.shared_path)
+                self.runner.initialize_kv_cache(message.num_blocks)
                 send_message(self.conn, KVCacheReady(
-                    self.stage.index, tuple(self.runner.kv_cache.shape),
-                    self.runner.first_kv_head))
+                    self.stage.index, self._start_transfer_agent(message.transfer)))
             elif isinstance(message, RecoverFromFailedStep):
                 self.runner.recover_from_failed_step(message.failed_req_ids)
             elif isinstance(message, ReleasePromptEmbeds):
@@ -143,7 +167,8 @@ class StageWorker:
             send_message(self.conn, answer)
 
 
-def run_worker(conn: Connection, parent_pid: int) -> None:
+def run_worker(conn: Connection, parent_pid: int,
+               transfer_conn: Connection | None = None) -> None:
     """The worker process's entry (multiprocessing spawn): reads `StageStart`, then runs
     until `ShutdownStage`; exits with status 0, or 1 after reporting `StageFatal`."""
     start = recv_message(conn)
@@ -155,7 +180,7 @@ def run_worker(conn: Connection, parent_pid: int) -> None:
     _watch_parent(parent_pid)
     torch.set_num_threads(start.num_threads)
     torch.manual_seed(start.seed)
-    exit_code = _serve(start, conn)
+    exit_code = _serve(start, conn, transfer_conn)
     # The interpreter's own teardown (module and tensor finalizers) only delays giving the
     # memory back, by seconds on a busy host.
     logging.shutdown()
@@ -164,7 +189,7 @@ def run_worker(conn: Connection, parent_pid: int) -> None:
     os._exit(exit_code)
 
 
-def _serve(start: StageStart, conn: Connection) -> int:
+def _serve(start: StageStart, conn: Connection, transfer_conn: Connection | None) -> int:
 
     index = start.stage.index
     try:
@@ -175,7 +200,7 @@ def _serve(start: StageStart, conn: Connection) -> int:
             _report_fatal(conn, StageFatal(index, f"{type(exc).__name__}: {exc}",
                                            is_refusal=True))
             return 1
-        StageWorker(runner, conn).run()
+        StageWorker(runner, conn, transfer_conn).run()
         runner.link.wait_for_sends()
     except (EOFError, BrokenPipeError):
         logger.info("the engine core closed the pipe; stage %d exits", index)

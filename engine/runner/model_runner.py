@@ -46,7 +46,7 @@ from kvferry.engine.runner.step_staging import StepStaging, StepTensors
 from kvferry.engine.sample.metadata import SamplingMetadata
 from kvferry.engine.sample.sampler import Sampler, SamplerOutput
 from kvferry.engine.sample.uploads import PinnedUploads
-from kvferry.kvtransfer.memory import allocate_kv_cache, shared_kv_cache
+from kvferry.kvtransfer.memory import allocate_kv_cache
 
 if TYPE_CHECKING:
     from kvferry.engine.structured_output.manager import GrammarBitmask
@@ -197,11 +197,8 @@ class ModelRunner:
                               arch.max_encoder_positions, arch.encoder_input,
                               arch.num_mel_bins)
 
-    def initialize_kv_cache(self, num_blocks: int, shared_path: str | None = None) -> None:
-        """Allocates the cache; with `shared_path` (CPU) in that file's shared memory, which
-        another process (the engine core of a pipeline) maps too."""
-        self.kv_cache, self.kv_caches = self._allocate_kv_cache(num_blocks, self.dtype,
-                                                                shared_path)
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_cache, self.kv_caches = self._allocate_kv_cache(num_blocks, self.dtype)
 
     @property
     def decode_graph_sizes(self) -> list[int]:
@@ -226,14 +223,10 @@ class ModelRunner:
         self.graphs = graphs
 
     def _allocate_kv_cache(
-        self, num_blocks: int, dtype: torch.dtype, shared_path: str | None = None,
+        self, num_blocks: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, list[KVCacheView]]:
         shape = self.kv_cache_shape(num_blocks)
-        if shared_path is not None:
-            if self.device.type != "cpu":
-                raise ValueError("a KV cache in shared memory is a CPU cache")
-            kv_cache = shared_kv_cache(shared_path, shape, dtype)
-        elif self._transfer_memory:
+        if self._transfer_memory:
             kv_cache = allocate_kv_cache(shape, dtype, self.device)
         else:
             kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)

@@ -180,9 +180,6 @@ def check_supported(args: argparse.Namespace) -> str | None:
     if args.pipeline_parallel_size < 1:
         return f"--pipeline-parallel-size must be >= 1, got {args.pipeline_parallel_size}"
     parallel = args.pipeline_parallel_size * args.tensor_parallel_size > 1
-    if parallel and args.role != "both" and args.device.startswith("cuda"):
-        return ("--pipeline-parallel-size or --tensor-parallel-size > 1 on a GPU serves --role "
-                "both only: KV transfer between parallel pods runs on CPU only for now")
     if parallel and args.async_scheduling:
         return ("--async-scheduling with --pipeline-parallel-size or --tensor-parallel-size "
                 "> 1 is not available yet")

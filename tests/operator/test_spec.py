@@ -139,10 +139,10 @@ CEL_INVALID = [
       "pools": {"decode": {"resources": {"requests": {"nvidia.com/gpu": "2"}}}}},
      "spec.pools.decode.resources: nvidia.com/gpu must be at least"),
     ({**_with("engine", {"tensorParallelSize": 2}),
-      "pools": {"decode": {"resources": {"limits": {"nvidia.com/gpu": 2}}},
-                "prefill": {"resources": {"limits": {"nvidia.com/gpu": 2}}}}},
-     "spec.engine: engine.tensorParallelSize and engine.pipelineParallelSize above 1 serve a "
-     "colocated service only"),
+      "model": {"source": "demo-whisper", "type": "encoder-decoder"},
+      "pools": {"decode": {"resources": {"limits": {"nvidia.com/gpu": 2}}}}},
+     "spec.engine: engine.tensorParallelSize and engine.pipelineParallelSize above 1 run "
+     "decoder-only models"),
     (_with("model.source", "hostpath:///"), "spec.model.source: hostpath:/// needs a normalized absolute path"),
     (_with("model.source", "hostpath:///mnt/../"), "spec.model.source: hostpath:/// needs"),
     (_with("model.source", "hostpath:////"), "spec.model.source: hostpath:/// needs"),
@@ -157,10 +157,15 @@ CEL_INVALID = [
 @pytest.mark.parametrize("spec", [
     {**_with("engine", {"tensorParallelSize": 2, "pipelineParallelSize": 2}),
      "pools": {"decode": {"resources": {"limits": {"nvidia.com/gpu": 4}, "requests": {"nvidia.com/gpu": "4"}}}}},
+    # Parallel prefill and decode pods (their KV moves rank by rank).
+    {**_with("engine", {"tensorParallelSize": 2}),
+     "pools": {"decode": {"resources": {"limits": {"nvidia.com/gpu": 2}}},
+               "prefill": {"resources": {"limits": {"nvidia.com/gpu": 2}}}}},
     _with("pools.decode", {"resources": {"limits": {"cpu": "1", "memory": "1Gi"}}}),
     _with("model.source", "hostpath:///mnt/models/llama-3.1.8b"),
     _with("pools.decode", {"strategy": {"maxUnavailable": 0, "maxSurge": "25%"}}),
-], ids=["gpus-cover-tp-x-pp", "no-gpus", "hostpath-normalized", "surge-instead-of-unavailable"])
+], ids=["gpus-cover-tp-x-pp", "parallel-prefill-and-decode", "no-gpus", "hostpath-normalized",
+        "surge-instead-of-unavailable"])
 def test_cel_rules_admit(spec: dict[str, Any]) -> None:
     assert admit(service(spec))[1] == []
 

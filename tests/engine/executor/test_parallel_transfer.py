@@ -23,6 +23,7 @@ from kvferry.engine.sampling_params import SamplingParams
 from kvferry.kvtransfer.config import KVTransferConfig
 from kvferry.kvtransfer.metrics import FailureReason
 from kvferry_testing.engine_runs import drain, run_one
+from kvferry_testing.nixl_probe import read_rank_blocks
 
 from kvferry.protocol.block_hash import hash_request_blocks
 
@@ -74,9 +75,9 @@ def engines(checkpoint: Path) -> Iterator[Callable[..., LLMEngine]]:
 
 
 def rank_blocks(engine: LLMEngine, block_ids: list[int]) -> list[list[bytes]]:
-    """Per rank of the engine, the bytes of each block."""
-    caches = engine.engine_core.executor.rank_caches  # type: ignore[attr-defined]
-    return [[rank.groups[0][b].numpy().tobytes() for b in block_ids] for rank in caches]
+    """Per rank of the engine, the bytes of each block, read from its worker's agent."""
+    endpoint = engine.engine_core.kv_connector.worker.endpoint  # type: ignore[union-attr]
+    return read_rank_blocks(endpoint.host, endpoint.port, block_ids)
 
 
 def prompt_blocks(engine: LLMEngine, num_blocks: int) -> list[int]:
@@ -102,16 +103,18 @@ def test_parallel_prefill_and_decode_engines_disaggregate_rank_by_rank(
     stats = decode.engine_core.make_stats().kv_transfer
     assert stats.failures == {} and stats.pulls_finished == 1
     # All but the prompt's last token came over: 7 blocks from each of the ranks.
-    ranks = pp * tp
-    assert len(decode.engine_core.executor.rank_caches) == ranks  # type: ignore[attr-defined]
-    block_bytes = [len(blocks[0]) for blocks in rank_blocks(prefill, remote_blocks[:1])]
-    assert stats.bytes_pulled == 7 * sum(block_bytes)
+    theirs = rank_blocks(prefill, remote_blocks[:7])
+    assert len(theirs) == pp * tp
+    assert stats.bytes_pulled == 7 * sum(len(blocks[0]) for blocks in theirs)
     # Every rank's blocks equal the producer's same rank's, byte for byte, and the ranks
     # hold different parts of the model.
     ours = rank_blocks(decode, prompt_blocks(decode, 7))
-    assert ours == rank_blocks(prefill, remote_blocks[:7])
+    assert ours == theirs
     assert ours[0] != ours[1]
-    drain(prefill)
+    # The hold ended when every rank's read had notified the producer's same rank.
+    drain(prefill, timeout_s=5.0)
+    held_stats = prefill.engine_core.make_stats().kv_transfer
+    assert (held_stats.sends_pulled, held_stats.lease_expirations) == (1, 0)
     drain(decode)
 
 

@@ -89,15 +89,10 @@ def check_rendered(manifest: dict[str, Any]) -> int:
         assert environment.model_type == spec.model.type
         assert environment.service == spec.name
         assert check_supported(args) is None, container["args"]
-        # Every pool runs a connector (the ConfigMap names the side-channel port), and its
-        # KV listeners bind the pod IP, on the pod IP's interface only; but a colocated pod
-        # with pipeline or tensor parallelism, which cannot transfer yet, runs none (the
-        # engine would refuse to start with one).
+        # Every pool runs a connector (the ConfigMap names the side-channel port), parallel
+        # pods too, and its KV listeners bind the pod IP, on the pod IP's interface only.
         transfer = kv_transfer_config(args, environment.nixl_port, None, None,
                                       environment.pod_ip, interfaces=POD_INTERFACES)
-        if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
-            assert args.role == "both" and transfer is None
-            continue
         assert transfer is not None
         assert (transfer.side_channel_host, transfer.ucx_net_devices) == (POD_IP, "eth0")
     return len(pods)
@@ -134,7 +129,7 @@ def test_every_role_runs() -> None:
     assert "--max-num-waiting" in check_supported(parse_serve([*base, "--max-num-waiting", "0"]))
 
 
-def test_pipeline_and_tensor_parallelism_run_with_every_role_on_cpu() -> None:
+def test_pipeline_and_tensor_parallelism_run_with_every_role() -> None:
     base = ["kvferry", "serve", "--model", "demo"]
     args = parse_serve([*base, "--pipeline-parallel-size", "2"])
     assert check_supported(args) is None
@@ -149,11 +144,7 @@ def test_pipeline_and_tensor_parallelism_run_with_every_role_on_cpu() -> None:
     assert check_supported(parse_serve([*base, "--pipeline-parallel-size", "0"])) == (
         "--pipeline-parallel-size must be >= 1, got 0")
     assert check_supported(parse_serve([*base, "--pipeline-parallel-size", "2",
-                                        "--role", "decode", "--device", "cpu"])) is None
-    # On a GPU the ranks' caches cannot be registered for transfers yet.
-    refused = check_supported(parse_serve([*base, "--pipeline-parallel-size", "2",
-                                           "--role", "decode", "--device", "cuda:0"]))
-    assert refused is not None and "--role both only" in refused
+                                        "--role", "decode"])) is None
     refused = check_supported(parse_serve([*base, "--pipeline-parallel-size", "2",
                                            "--async-scheduling"]))
     assert refused is not None and "--async-scheduling" in refused

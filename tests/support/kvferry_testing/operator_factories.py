@@ -75,7 +75,8 @@ def random_spec(rng: random.Random) -> dict[str, Any]:
     """A random spec that the CRD accepts, touching every optional part with some probability."""
     enc_dec = rng.random() < 0.3
     source = rng.choice(["demo", "hf://org/model-1b", "pvc://weights/llama/8b", "hostpath:///mnt/models/x"])
-    tensor_parallel = rng.choice([1, 2, 4])
+    # Encoder-decoder models run without parallelism (the CRD refuses it).
+    tensor_parallel = 1 if enc_dec else rng.choice([1, 2, 4])
     spec: dict[str, Any] = {
         "model": {"source": source, "type": "encoder-decoder" if enc_dec else "decoder-only",
                   "dtype": rng.choice(["auto", "float16", "bfloat16", "float32"])},
@@ -89,10 +90,9 @@ def random_spec(rng: random.Random) -> dict[str, Any]:
         spec["engine"]["maxNumSeqs"] = rng.randint(1, 512)
         spec["engine"]["maxNumBatchedTokens"] = rng.choice([2048, 8192])
         spec["engine"]["imagePullSecrets"] = ["regcred"]
-    # Tensor parallelism serves a colocated service only (the CRD refuses it with other pools).
-    if rng.random() < 0.6 and tensor_parallel == 1:
+    if rng.random() < 0.6:
         spec["pools"]["prefill"] = _pool(rng, tensor_parallel)
-    if enc_dec and rng.random() < 0.7 and tensor_parallel == 1:
+    if enc_dec and rng.random() < 0.7:
         spec["pools"]["encoder"] = _pool(rng, tensor_parallel)
     if rng.random() < 0.5:
         spec["router"] = {"replicas": rng.randint(1, 3), "apiKeySecret": {"name": "keys"},
