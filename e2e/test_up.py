@@ -754,6 +754,32 @@ def test_a_burst_of_1000_requests_through_prefill_and_decode_gets_no_503(
     assert metric(router, "kvferry:router_pods_dropped_total") == 0
 
 
+def test_a_pipeline_parallel_prefill_and_decode_service_answers_like_a_single_server(
+        tmp_path: Path, single: Proc) -> None:
+    """Prefill and decode pods of two pipeline stages each: the decode pod pulls each
+    stage's blocks from the prefill pod's same stage (every worker's own NIXL agent)."""
+    manifest = yaml.safe_load(service_yaml(tmp_path).read_text())
+    manifest["spec"]["engine"]["pipelineParallelSize"] = 2
+    manifest["spec"]["pools"] = {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    names = [f"{SERVICE_NAME}-prefill-0", f"{SERVICE_NAME}-decode-0"]
+    proc, pods = launch_up(tmp_path, path, names)
+    try:
+        before = pd_counts(proc, pods)
+        prompts = ("Hello", SHARED_PREFIX)
+        routed = answers(proc.port, prompts, chats=())  # type: ignore[attr-defined]
+        assert routed == answers(single.port, prompts, chats=())  # type: ignore[attr-defined]
+        counted = grown(before, pd_counts(proc, pods))
+        assert counted["prefill_hops"] >= 1 and counted["fallbacks"] == 0, counted
+        assert counted["pull_failures"] == 0 and counted["pulled_bytes"] > 0, counted
+        decode_log = [line for line in proc.log().splitlines()
+                      if line.startswith(f"[{names[1]}]") and "pp-stage-" in line]
+        assert decode_log, "the decode pod runs no pipeline stages"
+    finally:
+        stop_up(proc)
+
+
 def child_port(url: str) -> str:
     return url.rsplit(":", 1)[1]
 
