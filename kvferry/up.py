@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -94,10 +95,37 @@ def load_service(path: str | None) -> dict[str, Any]:
     return services[0]
 
 
+# Where `free_port` looks first: below the kernel's ephemeral ports.
+STABLE_PORTS_FROM = 10000
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now, which the pod given it binds later (and again when it
+    restarts). Taken below the kernel's ephemeral range where that leaves room: a port of
+    the range can be taken meanwhile by any socket bound to port 0 (the NIXL agents' UCX
+    listeners among them), and the pod would then fail to bind it at every restart."""
+    low = ephemeral_ports()[0]
+    rng = random.Random()
+    for _ in range(64 if low > STABLE_PORTS_FROM else 0):
+        port = rng.randrange(STABLE_PORTS_FROM, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for sockets bound to port 0 (Linux; else IANA's)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
 
 
 def pod_children(spec: InferenceServiceSpec, redis_url: str, env: dict[str, str],

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from kvferry.kvtransfer.layout import KVLayout, find_layout_mismatch
 from kvferry.kvtransfer.nixl_backend import NixlBackend
 from kvferry.kvtransfer.params import TRANSFER_PROTOCOL_VERSION, KVTransferParams
-from kvferry.kvtransfer.side_channel import HandshakeInfo
+from kvferry.kvtransfer.side_channel import HandshakeInfo, rank_agent_name
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ def check_compatible(local: LocalIdentity, address: str, info: HandshakeInfo) ->
     for field, ours, theirs in checks:
         if ours != theirs:
             raise IncompatibleProducerError(address, field, ours, theirs)
+    _check_records(address, info)
     for index, (ours, theirs) in enumerate(zip(local.layouts, info.layouts, strict=True)):
         mismatch = find_layout_mismatch(ours, theirs)
         if mismatch is not None:
@@ -80,6 +81,22 @@ def check_compatible(local: LocalIdentity, address: str, info: HandshakeInfo) ->
     # Equal fields but another hash: the producer hashes something this engine does not.
     if local.compat_hash != info.compat_hash:
         raise IncompatibleProducerError(address, "compat_hash", local.compat_hash, info.compat_hash)
+
+
+def _check_records(address: str, info: HandshakeInfo) -> None:
+    """Raises IncompatibleProducerError for a handshake whose regions or rank agents are not
+    what its layouts and sizes say (a broken or hostile producer)."""
+    if len(info.regions) != len(info.layouts):
+        raise IncompatibleProducerError(address, "the number of regions", len(info.layouts),
+                                        len(info.regions))
+    for region in info.regions:
+        if (region.mem_type not in ("DRAM", "VRAM") or not 0 <= region.base_addr < 2**64
+                or not 0 <= region.device_id < 2**31 or region.num_blocks < 1):
+            raise IncompatibleProducerError(address, "a region", "a valid region", region)
+    if info.num_ranks > 1:
+        expected = [rank_agent_name(info.agent_name, r) for r in range(info.num_ranks)]
+        if info.rank_agents != expected or len(info.rank_agent_metadata) != info.num_ranks:
+            raise IncompatibleProducerError(address, "rank_agents", expected, info.rank_agents)
 
 
 class RemoteEngines:

@@ -72,10 +72,14 @@ class LeaseKeeper:
             self._tracked.pop(req_id, None)
 
     def release(self, req_id: str) -> None:
-        """Stops renewing and tells the producer to free the hold now."""
+        """Stops renewing and tells the producer to free the hold now (unless another
+        request here was given the same hold: its pull may be reading it)."""
         with self._lock:
             tracked = self._tracked.pop(req_id, None)
             if tracked is None or tracked.lost:
+                return
+            if any((t.producer, t.remote_req_id) == (tracked.producer, tracked.remote_req_id)
+                   for t in self._tracked.values()):
                 return
             self._frees.append((tracked.producer, tracked.remote_req_id))
         self._wake.set()

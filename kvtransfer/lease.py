@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from kvferry.kvtransfer.metrics import HoldEnd, KVTransferMetrics
 from kvferry.kvtransfer.params import BlockIdGroups
 
-
 # Finished pulls a table remembers at most (the oldest are forgotten first): a lease of
 # them at a very high pull rate, a few MiB.
 MAX_REMEMBERED_PULLS = 65536
@@ -88,6 +87,7 @@ class LeaseTable:
                 raise RuntimeError(f"request {req_id!r} already holds blocks for a transfer")
             held = Hold(req_id, block_ids, self._clock() + self.lease_s)
             self._holds[req_id] = held
+            self._pulled.pop(req_id, None)  # a pull of an earlier hold is not this one's
             self._num_blocks += held.num_blocks
             self._metrics.set_blocks_held(self._num_blocks)
 
@@ -154,6 +154,12 @@ class LeaseTable:
     def is_held(self, req_id: str) -> bool:
         with self._lock:
             return req_id in self._holds
+
+    def holds_for(self, req_id: str, reader: str) -> bool:
+        """Whether `req_id`'s blocks are held, claimed by `reader`."""
+        with self._lock:
+            held = self._holds.get(req_id)
+            return held is not None and bool(reader) and held.reader == reader
 
     def readers(self) -> dict[str, str]:
         """Request id -> the consumer that claimed its hold, for the claimed holds."""

@@ -40,7 +40,7 @@ import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +104,8 @@ class Transfer:
     remote_agent: str = ""
     notif: bytes = b""
     notified: bool = False
+    # Handles already released (a release NIXL refused for others is retried for those only).
+    released: set[int] = field(default_factory=set)
 
 
 class NixlBackend:
@@ -248,9 +250,12 @@ class NixlBackend:
         return "DONE"
 
     def release(self, transfer: Transfer) -> bool:
-        """Releases a transfer, cancelling it if it still runs; False if NIXL refused."""
-        released = [self._release_handle(h) for h in transfer.handles]
-        return all(released)
+        """Releases a transfer, cancelling it if it still runs; False if NIXL refused (a
+        later call retries the handles not yet released)."""
+        for index, handle in enumerate(transfer.handles):
+            if index not in transfer.released and self._release_handle(handle):
+                transfer.released.add(index)
+        return len(transfer.released) == len(transfer.handles)
 
     def _release_handle(self, handle: Any) -> bool:
         try:

@@ -74,6 +74,9 @@ class _Pull:
     engine: RemoteEngine | None = None
     # Monotonic time after which a running read is cancelled.
     deadline: float = 0.0
+    # Why the pull fails, once its read is released (a parallel engine's ranks release
+    # theirs asynchronously): it ends then, not before, so no write lands afterwards.
+    failing: TransferFailure | None = None
 
 
 class Puller:
@@ -112,6 +115,14 @@ class Puller:
             raise RuntimeError(f"request {spec.req_id!r} is already pulling")
         pull = _Pull(spec)
         self._pulls[spec.req_id] = pull
+        held = (spec.params.remote_engine_id, spec.params.remote_request_id)
+        if any((p.spec.params.remote_engine_id, p.spec.params.remote_request_id) == held
+               for p in self._pulls.values() if p is not pull):
+            # Two reads of one hold would each end it on the producer (its notifications
+            # count per hold): the second computes its prompt instead.
+            self._fail(spec.req_id, FailureReason.INVALID_PARAMS,
+                       f"request {held[1]} on engine {held[0]} is already being pulled here")
+            return
         self._queue_prepare(pull, cached=self._engines.lookup(spec.params))
 
     def cancel(self, req_id: str) -> None:
@@ -127,7 +138,9 @@ class Puller:
             if self._pulls.get(pull.spec.req_id) is pull:  # not cancelled meanwhile
                 self._submit_prepare(pull)
         for req_id, pull in list(self._pulls.items()):
-            if pull.transfer is None:
+            if pull.failing is not None:
+                self._finish_failing(req_id, pull)
+            elif pull.transfer is None:
                 self._advance_prepare(req_id, pull)
             else:
                 self._poll_read(req_id, pull)
@@ -178,6 +191,10 @@ class Puller:
         except IncompatibleProducerError as e:
             logger.error("refusing KV from %s: %s", prepared.address, e)
             self._fail(req_id, FailureReason.INCOMPATIBLE, str(e))
+            return
+        except NixlError as e:
+            self._fail(req_id, FailureReason.INCOMPATIBLE,
+                       f"cannot load the agents of the producer at {prepared.address}: {e}")
             return
         if engine is None:
             # The cached handshake went stale meanwhile (a read from it failed): fetch anew.
@@ -290,11 +307,19 @@ class Puller:
                        f"read did not finish within {self.config.pull_timeout_s} s")
 
     def fail_all(self, reason: FailureReason, message: str) -> None:
-        """Ends every pull (the transfer thread hit a bug): none is left waiting forever."""
+        """Ends every pull (the transfer thread hit a bug): none is left waiting forever.
+        A running read ends once released (at once, or in a later `advance`)."""
         for req_id, pull in list(self._pulls.items()):
-            if pull.transfer is not None:
-                self._backend.release(pull.transfer)
-            self._fail(req_id, reason, message)
+            if pull.transfer is None:
+                self._fail(req_id, reason, message)
+            elif pull.failing is None:
+                pull.failing = TransferFailure(reason, message)
+                self._finish_failing(req_id, pull)
+
+    def _finish_failing(self, req_id: str, pull: _Pull) -> None:
+        assert pull.transfer is not None and pull.failing is not None
+        if self._backend.release(pull.transfer):
+            self._fail(req_id, FailureReason(pull.failing.reason), pull.failing.message)
 
     def _fail(self, req_id: str, reason: FailureReason, message: str) -> None:
         self._pulls.pop(req_id, None)

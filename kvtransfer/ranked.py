@@ -35,7 +35,8 @@ from typing import Any
 
 from kvferry.kvtransfer.layout import KVLayout, RegionInfo
 from kvferry.kvtransfer.nixl_backend import GroupRead, NixlBackend, NixlError, Transfer
-from kvferry.kvtransfer.side_channel import HandshakeInfo
+from kvferry.kvtransfer.pulls import PULLED_NOTIF_PREFIX
+from kvferry.kvtransfer.side_channel import HandshakeInfo, rank_agent_name
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +47,8 @@ IDLE_POLL_S = 0.01
 # Notifications a producer keeps while waiting for the other ranks' (oldest dropped first:
 # a consumer that never sends them all leaves its hold to the lease).
 MAX_PARTIAL_NOTIFS = 65536
-
-
-def rank_agent_name(engine_agent: str, rank: int) -> str:
-    """The NIXL agent name of an engine's rank `rank`."""
-    return f"{engine_agent}/r{rank}"
+# The longest notification a worker passes on (a pull's: a prefix and a request id).
+MAX_NOTIF_BYTES = 256
 
 
 @dataclass(frozen=True)
@@ -99,15 +97,18 @@ class RankAgentServer:
                                     spec.progress_thread, spec.read_threads,
                                     spec.read_split_min_bytes, spec.net_devices)
         regions = [self._backend.register(c) for c in caches]
+        on_gpu = [c for c in caches if c.device.type == "cuda"]
+        self._device = on_gpu[0].device if on_gpu else None
         # The metadata names the registered memory: taken after registering.
         self.info = RankAgentInfo(
             spec.agent_name, self._backend.metadata,
             [KVLayout.of_cache(c, first_layer, first_kv_head) for c in caches], regions)
         # Remote agents loaded into this agent, by name.
         self._remotes: set[str] = set()
-        # Reads running, and reads whose release NIXL refused so far, by transfer id.
+        # Reads running, and reads being released (with the state to report once they
+        # are: NIXL may refuse a release for a while), by transfer id.
         self._reads: dict[int, Transfer] = {}
-        self._releasing: dict[int, Transfer] = {}
+        self._releasing: dict[int, tuple[Transfer, str]] = {}
         self._thread = threading.Thread(target=self._run, name=f"kvferry-rank-{rank}",
                                         daemon=True)
 
@@ -115,6 +116,10 @@ class RankAgentServer:
         self._thread.start()
 
     def _run(self) -> None:
+        if self._device is not None:
+            import torch
+
+            torch.cuda.set_device(self._device)  # per thread: UCX posts on this one
         try:
             while True:
                 busy = self._reads or self._releasing
@@ -129,7 +134,7 @@ class RankAgentServer:
         except Exception:  # logged; the pipe closes, and the core fails this rank's reads
             logger.exception("rank %d: KV transfer thread failed", self._rank)
         finally:
-            for transfer in [*self._reads.values(), *self._releasing.values()]:
+            for transfer in [*self._reads.values(), *(t for t, _ in self._releasing.values())]:
                 self._backend.release(transfer)
             self._backend.close()
             # The core reads the end of the pipe as this rank's reads failing: none waits.
@@ -140,16 +145,13 @@ class RankAgentServer:
         if kind == "read":
             _, tid, remote_name, remote_metadata, reads, notif = command
             try:
-                if remote_name not in self._remotes:
-                    self._backend.add_remote(remote_metadata)
-                    self._remotes.add(remote_name)
-                self._reads[tid] = self._backend.read(remote_name, reads, notif)
-            except NixlError as e:
-                self._report(("state", tid, "ERR", str(e)))
+                self._read(tid, remote_name, remote_metadata, reads, notif)
+            except Exception as e:  # noqa: BLE001 - a producer's bad record fails its read only
+                self._report(("state", tid, "ERR", f"{type(e).__name__}: {e}"))
         elif kind == "release":
             transfer = self._reads.pop(command[1], None)
             if transfer is not None:
-                self._releasing[command[1]] = transfer
+                self._releasing[command[1]] = (transfer, "RELEASED")
         elif kind == "forget":
             if command[1] in self._remotes:
                 self._remotes.discard(command[1])
@@ -157,18 +159,38 @@ class RankAgentServer:
         else:
             raise ValueError(f"unknown transfer command {kind!r}")
 
+    def _read(self, tid: int, remote_name: str, remote_metadata: bytes | None,
+              reads: list[GroupRead], notif: bytes) -> None:
+        if remote_name not in self._remotes:
+            if remote_metadata is None:
+                raise NixlError(f"no metadata for {remote_name}")
+            loaded = self._backend.add_remote(remote_metadata)
+            if isinstance(loaded, bytes):
+                loaded = loaded.decode(errors="replace")
+            if loaded != remote_name:
+                self._backend.remove_remote(loaded)
+                raise NixlError(f"the metadata given for {remote_name} is {loaded}'s")
+            self._remotes.add(remote_name)
+        self._reads[tid] = self._backend.read(remote_name, reads, notif)
+
     def _advance(self) -> None:
         for tid, transfer in list(self._reads.items()):
             state = self._backend.poll(transfer)
             if state != "PROC":
+                # Reported once released: a split read's other parts may still run.
                 del self._reads[tid]
-                self._backend.release(transfer)
-                self._report(("state", tid, state, ""))
-        for tid, transfer in list(self._releasing.items()):
+                self._releasing[tid] = (transfer, state)
+        for tid, (transfer, state) in list(self._releasing.items()):
             if self._backend.release(transfer):
                 del self._releasing[tid]
-                self._report(("state", tid, "RELEASED", ""))
-        notifs = self._backend.notifications()
+                self._report(("state", tid, state, ""))
+        try:
+            notifs = self._backend.notifications()
+        except NixlError as e:
+            logger.warning("rank %d: reading NIXL notifications: %s", self._rank, e)
+            return
+        notifs = [(agent, msg) for agent, msg in notifs
+                  if msg.startswith(PULLED_NOTIF_PREFIX) and len(msg) <= MAX_NOTIF_BYTES]
         if notifs:
             self._report(("notifs", notifs))
 
@@ -202,7 +224,8 @@ class RankedBackend:
         self.metadata = b""
         self.ranks = list(ranks)
         self._conns = list(conns)
-        self._send_lock = threading.Lock()
+        # One per pipe: a rank busy in a long read delays its own commands only.
+        self._send_locks = [threading.Lock() for _ in conns]
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._reads: dict[int, _RankedRead] = {}
@@ -213,6 +236,9 @@ class RankedBackend:
         self._notifs: list[tuple[str, bytes]] = []
         self._gone: set[int] = set()
         self.on_report: Callable[[], None] = lambda: None
+        # Whether a hold named by a notification is held for that reader (the connector
+        # asks its lease table): only then do the ranks' notifications count.
+        self.holds_for: Callable[[str, str], bool] = lambda req_id, reader: True
         self._closed = False
         self._reader = threading.Thread(target=self._read_reports, name="kvferry-ranks",
                                         daemon=True)
@@ -325,7 +351,7 @@ class RankedBackend:
 
     def _send(self, rank: int, command: tuple) -> None:
         try:
-            with self._send_lock:
+            with self._send_locks[rank]:
                 self._conns[rank].send(command)
         except (OSError, ValueError) as e:
             if not self._closed:
@@ -334,20 +360,25 @@ class RankedBackend:
 
     def _read_reports(self) -> None:
         conns = {conn: rank for rank, conn in enumerate(self._conns)}
-        while conns and not self._closed:
-            try:
-                ready = wait(list(conns), timeout=0.2)
-            except (OSError, ValueError):  # a pipe closed under the wait: shutting down
-                return
-            for conn in ready:
-                rank = conns[conn]  # type: ignore[index]
-                try:
-                    message = conn.recv()  # type: ignore[union-attr]
-                except (EOFError, OSError):
-                    del conns[conn]
-                    self._rank_gone(rank)
-                    continue
-                self._on_report(rank, message)
+        try:
+            while conns and not self._closed:
+                for conn in wait(list(conns), timeout=0.2):
+                    rank = conns[conn]  # type: ignore[index]
+                    try:
+                        message = conn.recv()  # type: ignore[union-attr]
+                    except (EOFError, OSError):
+                        del conns[conn]
+                        self._rank_gone(rank)
+                        continue
+                    self._on_report(rank, message)
+                self.on_report()
+        except (OSError, ValueError):  # a pipe closed under the wait: shutting down
+            pass
+        except Exception:  # a report it cannot read: no rank's state would change again
+            logger.exception("reading the ranks' transfer reports failed")
+        finally:
+            for rank in range(self.num_ranks):
+                self._rank_gone(rank)
             self.on_report()
 
     def _on_report(self, rank: int, message: tuple) -> None:
@@ -371,6 +402,10 @@ class RankedBackend:
         """A worker's agent is gone: its READs end in error (its process, and the blocks
         it would write into, with it)."""
         with self._lock:
+            if rank not in self._gone and not self._closed:
+                logger.error("rank %d's KV transfer agent is gone: this engine pulls nothing "
+                             "more (its reads fail, requests compute their prompts) until it "
+                             "restarts", rank)
             self._gone.add(rank)
             for read in self._reads.values():
                 if read.states[rank] == "PROC":
@@ -380,7 +415,8 @@ class RankedBackend:
         with self._lock:
             for sender, msg in notifs:
                 reader, sep, sender_rank = sender.rpartition("/r")
-                if not sep or sender_rank != str(rank):
+                req_id = msg[len(PULLED_NOTIF_PREFIX):].decode(errors="replace")
+                if not sep or sender_rank != str(rank) or not self.holds_for(req_id, reader):
                     logger.debug("rank %d: ignoring a notification from %s", rank, sender)
                     continue
                 key = (reader, msg)

@@ -71,6 +71,11 @@ class HandshakeInfo(msgspec.Struct, frozen=True):
         return self.pipeline_parallel_size * self.tensor_parallel_size
 
 
+def rank_agent_name(engine_agent: str, rank: int) -> str:
+    """The NIXL agent name of rank `rank` of the engine whose agent name is `engine_agent`."""
+    return f"{engine_agent}/r{rank}"
+
+
 class LeaseRequest(msgspec.Struct, frozen=True):
     """Heartbeat or free for some of one producer's holds."""
 

@@ -105,6 +105,7 @@ class KVConnectorWorker(KVConnectorWorkerBase):
         layouts = [rank.layouts[g] for g in groups for rank in ranks]
         regions = [rank.regions[g] for g in groups for rank in ranks]
         backend.on_report = self._wake.set
+        backend.holds_for = self.leases.holds_for
         return self._start(backend, layouts, regions, parallel_sizes)
 
     def _start(self, backend: NixlBackend | RankedBackend, layouts: list[KVLayout],

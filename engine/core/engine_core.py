@@ -126,14 +126,18 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching
         )
-        self.kv_connector = (
-            None if config.kv_transfer is None
-            else start_kv_connector(config.kv_transfer, self._transfer_caches(),
-                                    cache_cfg.block_size,
-                                    (config.parallel.pipeline_parallel_size,
-                                     config.parallel.tensor_parallel_size),
-                                    self._transfer_agent_name)
-        )
+        try:
+            self.kv_connector = (
+                None if config.kv_transfer is None
+                else start_kv_connector(config.kv_transfer, self._transfer_caches(),
+                                        cache_cfg.block_size,
+                                        (config.parallel.pipeline_parallel_size,
+                                         config.parallel.tensor_parallel_size),
+                                        self._transfer_agent_name)
+            )
+        except BaseException:  # no worker outlives a core that did not start
+            self.executor.shutdown()
+            raise
         # Grammars of structured outputs; llguidance loads with the first constraint.
         tokenizer_dir = (resolve_model_source(model_cfg.tokenizer) if model_cfg.tokenizer
                          else self.model_dir)
@@ -212,8 +216,8 @@ class EngineCore:
         """With KV transfer, the NIXL agent each of the pipeline's workers starts for its
         rank's cache (kvtransfer/ranked.py), named after this engine's agent."""
         transfer = self.config.kv_transfer
-        if transfer is None:
-            return None
+        if transfer is None or not transfer.may_transfer:
+            return None  # (no key: start_kv_connector starts none either, and says so)
         from kvferry.kvtransfer.ranked import RankAgentSpec
         from kvferry.kvtransfer.worker import new_agent_name
 
@@ -231,6 +235,8 @@ class EngineCore:
             from kvferry.kvtransfer.ranked import RankedBackend
 
             assert isinstance(self.executor, PipelineExecutor)
+            if self._transfer_agent_name is None:
+                return None  # no agents started: the connector starts none
             return RankedBackend(self._transfer_agent_name, *self.executor.transfer_agents())
         kv_cache = self.runner.kv_cache
         return (kv_cache, kv_cache) if self.arch.is_encoder_decoder else kv_cache
@@ -476,11 +482,11 @@ class EngineCore:
         return stats
 
     def shutdown(self) -> None:
-        """Stops the executor, the KV connector's threads and side channel, and the grammar
-        threads."""
-        self.executor.shutdown()
+        """Stops the KV connector's threads, side channel and (a pipeline's) rank agents, the
+        executor, and the grammar threads."""
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
+        self.executor.shutdown()
         self.structured_output.shutdown()
 
     def _queue_times(self, scheduler_output: SchedulerOutput) -> dict[str, float]:

@@ -456,8 +456,8 @@ class PipelineExecutor(Executor):
                 thread.join(KILL_GRACE_S)
         for worker in self.workers:
             worker.conn.close()
-            if worker.transfer_conn is not None and not self._transfer_infos:
-                worker.transfer_conn.close()  # no agent: nobody else took the pipe
+            if worker.transfer_conn is not None:
+                worker.transfer_conn.close()
         self._wake_reader.close()
         self._reader_wakeup.close()
         shutil.rmtree(self._rendezvous_dir, ignore_errors=True)

@@ -133,7 +133,9 @@ class StageWorker:
             if isinstance(message, StepRequest):
                 self._step(message)
             elif isinstance(message, InitializeKVCache):
-                self.runner.initialize_kv_cache(message.num_blocks)
+                # A cache the transfer agent registers goes where reads are fast.
+                self.runner.initialize_kv_cache(message.num_blocks,
+                                                for_transfer=message.transfer is not None)
                 send_message(self.conn, KVCacheReady(
                     self.stage.index, self._start_transfer_agent(message.transfer)))
             elif isinstance(message, RecoverFromFailedStep):

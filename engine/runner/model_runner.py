@@ -197,7 +197,10 @@ class ModelRunner:
                               arch.max_encoder_positions, arch.encoder_input,
                               arch.num_mel_bins)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, for_transfer: bool = False) -> None:
+        """Allocates the cache; `for_transfer`: it is registered for KV transfers (as with
+        `transfer_memory`)."""
+        self._transfer_memory = self._transfer_memory or for_transfer
         self.kv_cache, self.kv_caches = self._allocate_kv_cache(num_blocks, self.dtype)
 
     @property

@@ -100,3 +100,19 @@ def test_generate_reports_bad_input_as_a_message(make_checkpoint) -> None:
     missing = _kvferry("generate", "--model", "/nonexistent/ckpt", "--prompt", "x")
     assert missing.returncode == 2
     assert "Traceback" not in missing.stderr
+
+
+def test_up_gives_pods_ports_outside_the_ephemeral_range() -> None:
+    """A pod's port stays its own until it binds it (and at each restart): no socket bound
+    to port 0 meanwhile, such as a NIXL agent's UCX listener, can take it."""
+    import socket
+
+    from kvferry.up import STABLE_PORTS_FROM, ephemeral_ports, free_port
+
+    low, high = ephemeral_ports()
+    assert low < high
+    for _ in range(20):
+        port = free_port()
+        assert STABLE_PORTS_FROM <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

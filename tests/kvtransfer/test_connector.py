@@ -333,3 +333,17 @@ def test_signed_params_reach_the_producer(setup: Setup) -> None:
     setup.scheduler.add_request("d", remote_params(setup.port, [11], BLOCK))
     wait_until(lambda: setup.producer.readers() == {"p1": "agent-d"})
 
+
+
+def test_a_hold_given_to_two_requests_is_freed_only_when_both_let_it_go(setup: Setup) -> None:
+    """A decode hop retried on the same pod brings the same params twice: the first to let
+    go must not free the blocks the other may be reading."""
+    setup.producer.hold("p1", ((11,),))
+    params = remote_params(setup.port, [11], BLOCK)
+    setup.scheduler.add_request("a", params)
+    setup.scheduler.add_request("b", params)
+    setup.scheduler._keeper.release("a")
+    time.sleep(0.3)  # six heartbeat intervals: a free would have gone
+    assert setup.producer.is_held("p1")
+    setup.scheduler._keeper.release("b")
+    wait_until(lambda: not setup.producer.is_held("p1"))

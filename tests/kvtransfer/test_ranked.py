@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 from kvferry.kvtransfer.layout import KVLayout, RegionInfo
 from kvferry.kvtransfer.nixl_backend import GroupRead, NixlError
+from kvferry.kvtransfer.pulls import PULLED_NOTIF_PREFIX
 from kvferry.kvtransfer.ranked import RankAgentInfo, RankedBackend, rank_agent_name
 from kvferry_testing.handshakes import handshake_info
 
 ENGINE = "kvferry-e1-aaaa"
+PULLED = PULLED_NOTIF_PREFIX
 PRODUCER = "kvferry-p1-bbbb"
 LAYOUT = KVLayout(4, 1, 2, 16, "float16", 2)
 REGION = RegionInfo(base_addr=4096, num_blocks=64, device_id=0, mem_type="DRAM")
@@ -57,6 +59,14 @@ def reads() -> list[GroupRead]:
     return [GroupRead(REGION, REGION, 1024, runs, rank=r) for r in range(2)]
 
 
+def start_read(backend: RankedBackend, ranks: Ranks):
+    """A pull's READs, posted on both ranks: the transfer and its id."""
+    transfer = backend.read(PRODUCER, reads(), b"note")
+    tid = ranks.command(0)[1]
+    assert ranks.command(1)[1] == tid
+    return transfer, tid
+
+
 def wait_state(backend: RankedBackend, transfer, state: str) -> None:
     deadline = time.monotonic() + 5
     while backend.poll(transfer) != state:
@@ -84,9 +94,7 @@ def test_each_rank_reads_from_the_producers_same_rank_and_the_pull_ends_with_the
 
 def test_a_failed_rank_cancels_the_others_and_the_pull_fails_once_none_writes(ranked) -> None:
     backend, ranks = ranked
-    transfer = backend.read(PRODUCER, reads(), b"note")
-    tid = ranks.command(0)[1]
-    ranks.command(1)
+    transfer, tid = start_read(backend, ranks)
     ranks.report(0, ("state", tid, "ERR", "read failed"))
     # Rank 1 still reads: not over yet, and asked to stop.
     deadline = time.monotonic() + 5
@@ -102,9 +110,7 @@ def test_a_failed_rank_cancels_the_others_and_the_pull_fails_once_none_writes(ra
 
 def test_a_timed_out_pull_is_released_on_every_rank_before_it_counts_as_over(ranked) -> None:
     backend, ranks = ranked
-    transfer = backend.read(PRODUCER, reads(), b"note")
-    tid = ranks.command(0)[1]
-    ranks.command(1)
+    transfer, tid = start_read(backend, ranks)
     assert not backend.release(transfer)
     assert ranks.command(0) == ("release", tid) and ranks.command(1) == ("release", tid)
     ranks.report(0, ("state", tid, "RELEASED", ""))
@@ -119,9 +125,7 @@ def test_a_timed_out_pull_is_released_on_every_rank_before_it_counts_as_over(ran
 
 def test_a_rank_whose_agent_is_gone_fails_its_reads(ranked) -> None:
     backend, ranks = ranked
-    transfer = backend.read(PRODUCER, reads(), b"note")
-    tid = ranks.command(0)[1]
-    ranks.command(1)
+    transfer, tid = start_read(backend, ranks)
     ranks.report(0, ("state", tid, "DONE", ""))
     ranks.conns[1].close()  # the worker died
     wait_state(backend, transfer, "ERR")
@@ -150,3 +154,46 @@ def test_a_producer_must_list_an_agent_per_rank(ranked) -> None:
     with pytest.raises(NixlError, match="lists 1 rank agents, this engine has 2 ranks"):
         backend.connect(msgspec.structs.replace(
             handshake_info(), rank_agents=["x/r0"], rank_agent_metadata=[b""]))
+
+
+def test_only_notifications_of_holds_claimed_by_their_reader_count(ranked) -> None:
+    backend, ranks = ranked
+    reader = "kvferry-d1-cccc"
+    backend.holds_for = lambda req_id, who: (req_id, who) == ("held", reader)
+    for rank in range(2):
+        ranks.report(rank, ("notifs", [(rank_agent_name(reader, rank), PULLED + b"other"),
+                                       (rank_agent_name(reader, rank), PULLED + b"held")]))
+    deadline = time.monotonic() + 5
+    while not (got := backend.notifications()):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert got == [(reader, PULLED + b"held")]
+
+
+def test_a_workers_agent_survives_a_producers_bad_records() -> None:
+    """Metadata that is not an agent's, a region NIXL does not know: the read fails, the
+    agent goes on serving."""
+    import torch
+    from kvferry.kvtransfer.ranked import RankAgentServer, RankAgentSpec
+
+    ours, theirs = Pipe(duplex=True)
+    spec = RankAgentSpec("kvferry-w1-dddd/r0", "none", False, 1, 1 << 30, None)
+    server = RankAgentServer(theirs, spec, 0, [torch.zeros(8, 1, 2, 4, 1, 8)], 0, 0)
+    server.start()
+    try:
+        bad_region = RegionInfo(base_addr=4096, num_blocks=64, device_id=0, mem_type="X")
+        runs = np.array([[1, 1, 1]], dtype=np.int64)
+        commands = [
+            ("read", 1, "kvferry-p1-bbbb/r0", b"not metadata", reads()[:1], b""),
+            ("read", 2, "kvferry-p1-bbbb/r0", b"not metadata",
+             [GroupRead(server.info.regions[0], bad_region, 256, runs)], b""),
+        ]
+        for tid, command in enumerate(commands, start=1):
+            ours.send(command)
+            assert ours.poll(5)
+            kind, got, state, error = ours.recv()
+            assert (kind, got, state) == ("state", tid, "ERR") and error
+        assert server._thread.is_alive()
+    finally:
+        ours.send(("close",))
+        server._thread.join(5)

@@ -310,7 +310,8 @@ def _two_stages(second: KVLayout) -> tuple[LocalIdentity, HandshakeInfo]:
     region = handshake_info().regions[0]
     remote = msgspec.structs.replace(
         handshake_info(), layouts=theirs, regions=[region, region], pipeline_parallel_size=2,
-        compat_hash=compatibility_hash("m", theirs, 2))
+        compat_hash=compatibility_hash("m", theirs, 2),
+        rank_agents=["agent-1/r0", "agent-1/r1"], rank_agent_metadata=[b"", b""])
     return local, remote
 
 
@@ -327,3 +328,28 @@ def test_engines_of_other_parallel_sizes_or_splits_are_refused_by_name() -> None
     local, remote = _two_stages(KVLayout(4, 1, 2, 16, "float16", 2, first_layer=2))
     with pytest.raises(IncompatibleProducerError, match="rank 1 first_layer is 2 there and 1 here"):
         check_compatible(local, "h:1", remote)
+
+
+@pytest.mark.parametrize(("broken", "field"), [
+    ({"regions": []}, "the number of regions"),
+    ({"regions": [msgspec.structs.replace(handshake_info().regions[0], mem_type="X")]},
+     "a region"),
+    ({"regions": [msgspec.structs.replace(handshake_info().regions[0], base_addr=-1)]},
+     "a region"),
+])
+def test_a_handshake_whose_records_do_not_hold_together_is_refused(broken: dict, field: str
+                                                                  ) -> None:
+    with pytest.raises(IncompatibleProducerError) as e:
+        check_compatible(local_identity(), "h:1", msgspec.structs.replace(handshake_info(),
+                                                                          **broken))
+    assert e.value.field == field
+
+
+def test_a_parallel_producer_must_name_its_rank_agents_after_itself() -> None:
+    local, remote = _two_stages(KVLayout(4, 1, 2, 16, "float16", 2, first_layer=1))
+    named = msgspec.structs.replace(remote, rank_agents=["agent-1/r0", "agent-1/r1"],
+                                    rank_agent_metadata=[b"", b""])
+    check_compatible(local, "h:1", named)
+    for agents in (["agent-1/r0"], ["agent-1/r0", "another/r1"]):
+        with pytest.raises(IncompatibleProducerError, match="rank_agents"):
+            check_compatible(local, "h:1", msgspec.structs.replace(named, rank_agents=agents))

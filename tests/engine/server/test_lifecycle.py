@@ -188,8 +188,8 @@ async def _check_death(server: ServerProcess) -> None:
 @pytest.mark.parametrize(("flags", "words", "code"), [
     # Refused once the model is known to have no encoder (the core says so as it loads).
     (["--role", "encoder", "--kv-transfer-insecure"], "encoder-decoder model", 1),
-    # Parallel pods take part in no KV transfer yet.
-    (["--tensor-parallel-size", "2", "--role", "decode"], "--role both only", 2),
+    # Parallel engines overlap microbatches instead of scheduling asynchronously.
+    (["--tensor-parallel-size", "2", "--async-scheduling"], "--async-scheduling with", 2),
 ])
 def test_unsupported_command_lines_exit_at_once(flags: list[str], words: str, code: int) -> None:
     start = time.monotonic()
