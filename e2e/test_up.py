@@ -946,7 +946,11 @@ def test_a_decode_pod_killed_under_running_requests_costs_only_the_streams_it_ha
         futures = [pool.submit(outcome, c, queries[i], stream, max_tokens)
                    for i, stream in calls]
         while engine_waiting(victim) < 1:
-            assert not all(f.done() for f in futures), "the router sent the pod nothing"
+            if all(f.done() for f in futures):
+                pools = httpx.get(router + "/health", trust_env=False).json()["pools"]
+                pytest.fail(f"the router sent the pod nothing: its pools {pools}, the pod "
+                            f"running {engine_running(victim)}, answers "
+                            f"{[f.result()[2] for f in futures]}")
             time.sleep(0.01)
         kill_pod(proc, pods, f"{SERVICE_NAME}-decode-1")
         got = [future.result() for future in futures]  # each within the client's timeout
