@@ -139,7 +139,10 @@ def main() -> None:
     device = torch.cuda.get_device_name()
     bandwidth = copy_bandwidth(args.repeats)
     print(f"{device}: device copy {bandwidth / 1e12:.2f} TB/s (read + written)")
-    figures: dict[str, Any] = {"device": device, "copy_tb_s": round(bandwidth / 1e12, 3)}
+    from kvferry.engine.attention.triton._attention_launch import attention_tuning
+
+    figures: dict[str, Any] = {"device": device, "copy_tb_s": round(bandwidth / 1e12, 3),
+                               "tuning": attention_tuning().source}
     for context in DECODE_CONTEXTS:
         decode = bench_decode(context, bandwidth, args.repeats)
         print(f"decode batch {DECODE_BATCH} x {context}: {decode}")

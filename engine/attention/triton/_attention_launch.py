@@ -1,39 +1,178 @@
-"""How a launch of the unified attention kernel is shaped: its tiles, warps and grid."""
+"""How a launch of the unified attention kernel is shaped: its tiles, warps, pipeline stages
+and grid.
+
+On a GPU the shape comes from a tuning table: for decode launches (few queries per request)
+and prefill launches, per padded head size, the query rows per program, the keys per tile,
+the warps and the software-pipeline stages, plus when decode launches split their keys
+(split-KV). The built-in table holds what `benchmarks/attention_tuning.py` measured; that
+script writes a table of the same form for the GPU it runs on, and the environment variable
+KVFERRY_ATTENTION_TUNING naming such a file makes every launch of the process use it (read
+once, on the first launch). Head sizes the table lacks fall back to `gpu_tiles`, which sizes
+tiles by a register budget.
+"""
 
 from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 from kvferry.engine.attention.triton._runtime import next_power_of_2
 
+TUNING_ENV = "KVFERRY_ATTENTION_TUNING"
 # Register budget per program of `gpu_tiles`, in bytes of query rows plus keys times
 # head dims.
 TILE_BUDGET_BYTES = 24576
+# Launches whose longest query is at most this many tokens take the decode tiles; their
+# programs need no more than tl.dot's 16 rows.
+MAX_DECODE_QUERY_LEN = 8
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch shape: `rows` query rows (queries x the heads of one kv head) per program,
+    `tile_n` keys per loop step, `num_warps`, and `num_stages` (None: Triton's default)."""
+
+    rows: int
+    tile_n: int
+    num_warps: int
+    num_stages: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "tile_n", "num_warps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1 or value != next_power_of_2(value):
+                raise ValueError(f"{name} must be a power of two >= 1, got {value!r}")
+        if self.rows < 16 or self.tile_n < 16:
+            raise ValueError(f"rows and tile_n must be >= 16 (tl.dot), got {self}")
+        if self.num_stages is not None and (
+            not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8
+        ):
+            raise ValueError(f"num_stages must be None or 1..8, got {self.num_stages!r}")
+
+
+@dataclass(frozen=True)
+class AttentionTuning:
+    """Tile configs by launch kind ("decode", "prefill") and padded head size, and the
+    split-KV policy: decode launches with fewer (request, kv head) programs than
+    `target_programs` split their keys, each split keeping `min_keys_per_split` keys."""
+
+    decode: dict[int, TileConfig] = field(default_factory=dict)
+    prefill: dict[int, TileConfig] = field(default_factory=dict)
+    target_programs: int = 128
+    min_keys_per_split: int = 512
+    source: str = "built-in"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str) -> AttentionTuning:
+        """A table from its JSON form (as `to_dict` writes it); ValueError names what is
+        wrong."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: an attention tuning table is a JSON object")
+        tables: dict[str, dict[int, TileConfig]] = {}
+        for kind in ("decode", "prefill"):
+            entries = data.get(kind, {})
+            if not isinstance(entries, dict):
+                raise ValueError(f"{source}: {kind!r} must map head sizes to tile configs")
+            tables[kind] = {}
+            for head, config in entries.items():
+                try:
+                    block_d = int(head)
+                    tables[kind][block_d] = TileConfig(**config)
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(f"{source}: {kind}[{head!r}]: {exc}") from None
+        split = data.get("split", {})
+        target = split.get("target_programs", cls.target_programs)
+        min_keys = split.get("min_keys_per_split", cls.min_keys_per_split)
+        for name, value in (("target_programs", target), ("min_keys_per_split", min_keys)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{source}: split.{name} must be a positive integer")
+        return cls(tables["decode"], tables["prefill"], target, min_keys, source)
+
+    def to_dict(self) -> dict[str, Any]:
+        def table(configs: dict[int, TileConfig]) -> dict[str, Any]:
+            return {str(head): asdict(config) for head, config in sorted(configs.items())}
+
+        return {
+            "decode": table(self.decode),
+            "prefill": table(self.prefill),
+            "split": {"target_programs": self.target_programs,
+                      "min_keys_per_split": self.min_keys_per_split},
+        }
+
+
+# Measured by benchmarks/attention_tuning.py (see benchmarks/README.md for the run).
+BUILT_IN = AttentionTuning()
+
+
+@functools.cache
+def attention_tuning() -> AttentionTuning:
+    """The table launches use: the file KVFERRY_ATTENTION_TUNING names, else the built-in
+    one. A file that cannot be read or parsed is an error, not a silent fallback."""
+    path = os.environ.get(TUNING_ENV)
+    if not path:
+        return BUILT_IN
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{TUNING_ENV}={path}: cannot read an attention tuning table: {exc}")
+    return AttentionTuning.from_dict(data, source=path)
 
 
 def launch_config(
-    query: torch.Tensor, num_kv_heads: int, max_query_len: int, interpreted: bool
-) -> dict[str, int | str | bool | None]:
-    """The kernel's constexprs and warps: BLOCK_Q queries by GROUP heads per program,
-    TILE_N keys per step, BLOCK_D padded head dims, and how the dots run."""
+    query: torch.Tensor,
+    num_kv_heads: int,
+    max_query_len: int,
+    interpreted: bool,
+    config: TileConfig | None = None,
+) -> dict[str, Any]:
+    """The kernel's constexprs and launch options: BLOCK_Q queries by GROUP heads per
+    program, TILE_N keys per step, BLOCK_D padded head dims, how the dots run, warps and
+    stages. `config` overrides the table (the tuning benchmark's candidates)."""
     num_heads, head_size = query.shape[1:]
     group = next_power_of_2(num_heads // num_kv_heads)
     block_d = max(16, next_power_of_2(head_size))
+    options: dict[str, Any] = {"num_warps": 8}
     if interpreted:
         # The interpreter pays per operation, not per element: few, large tiles.
         rows, tile_n = (64 if max_query_len * group >= 32 else 16), 32
     else:
-        rows, tile_n = gpu_tiles(group, block_d, max_query_len, query.element_size())
+        if config is None:
+            config = tile_config(group, block_d, max_query_len, query.element_size())
+        rows, tile_n = max(config.rows, group), config.tile_n
+        options["num_warps"] = config.num_warps
+        if config.num_stages is not None:
+            options["num_stages"] = config.num_stages
     return {
         "BLOCK_Q": max(1, rows // group),
         "GROUP": group,
         "BLOCK_D": block_d,
+        "PAD_D": block_d != head_size,
         "TILE_N": tile_n,
         # float32 attention stays float32 (no TF32) to match the torch path; half types
         # take the target's default.
         "DOT_PRECISION": "ieee" if query.dtype == torch.float32 else None,
         "DOT_IN_FP32": interpreted and query.dtype == torch.bfloat16,
-        "num_warps": 8,
+        **options,
     }
+
+
+def tile_config(group: int, block_d: int, max_query_len: int, element_size: int) -> TileConfig:
+    """The table's config for this launch, or `gpu_tiles`' where the table has none.
+
+    The table was measured for 16-bit caches; float32 ones (twice the registers per
+    element) always take `gpu_tiles`."""
+    tuning = attention_tuning()
+    kind = tuning.decode if max_query_len <= MAX_DECODE_QUERY_LEN else tuning.prefill
+    config = kind.get(block_d) if element_size <= 2 else None
+    if config is not None:
+        return config
+    rows, tile_n = gpu_tiles(group, block_d, max_query_len, element_size)
+    return TileConfig(rows, tile_n, num_warps=8)
 
 
 def gpu_tiles(group: int, block_d: int, max_query_len: int, element_size: int) -> tuple[int, int]:

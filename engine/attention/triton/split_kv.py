@@ -165,16 +165,23 @@ def reduce_kv_splits_reference(
 
 
 def choose_num_kv_splits(
-    num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int
+    num_seqs: int,
+    num_kv_heads: int,
+    max_query_len: int,
+    max_seq_len: int,
+    *,
+    target_programs: int = TARGET_PROGRAMS,
+    min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
 ) -> int:
     """How many key ranges to split each request into (1: no split-KV).
 
     Splits only short-query launches (decode) whose (request, kv head) programs are too few
-    to fill the GPU, into as many ranges as bring the program count near TARGET_PROGRAMS
-    while each range keeps at least MIN_KEYS_PER_SPLIT keys.
+    to fill the GPU, into as many ranges as bring the program count near `target_programs`
+    while each range keeps at least `min_keys_per_split` keys (a GPU's tuning table may set
+    both; see `_attention_launch`).
     """
     programs = max(num_seqs * num_kv_heads, 1)
-    if max_query_len > MAX_SPLIT_QUERY_LEN or programs >= TARGET_PROGRAMS:
+    if max_query_len > MAX_SPLIT_QUERY_LEN or programs >= target_programs:
         return 1
-    by_length = max_seq_len // MIN_KEYS_PER_SPLIT
-    return max(1, min(MAX_SPLITS, cdiv(TARGET_PROGRAMS, programs), by_length))
+    by_length = max_seq_len // min_keys_per_split
+    return max(1, min(MAX_SPLITS, cdiv(target_programs, programs), by_length))

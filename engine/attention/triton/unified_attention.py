@@ -26,7 +26,12 @@ from __future__ import annotations
 
 import torch
 from kvferry.engine.attention.triton._attention_inputs import check_attention_inputs
-from kvferry.engine.attention.triton._attention_launch import grid_size, launch_config
+from kvferry.engine.attention.triton._attention_launch import (
+    TileConfig,
+    attention_tuning,
+    grid_size,
+    launch_config,
+)
 from kvferry.engine.attention.triton._runtime import (
     check_device,
     is_interpreted,
@@ -80,11 +85,15 @@ def _attend_tiles(
     tile_lo, tile_hi, kv_end, query_pos, kv_head, head_size, block_size, qk_scale,
     stride_bt_block, stride_kc_block, stride_kc_offset, stride_kc_head,
     stride_vc_block, stride_vc_offset, stride_vc_head,
-    KV_FROM_BATCH: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    MASKED: tl.constexpr, KV_FROM_BATCH: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAD_D: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
 ):
     # q: (BLOCK_M, BLOCK_D); acc: (BLOCK_M, BLOCK_D) fp32; m_i, l_i: (BLOCK_M,) fp32, the
     # running max (log2 units) and sum of the online softmax.
+    # MASKED False: the caller guarantees every key of these tiles exists and is visible to
+    # every row, so neither the loads nor the scores need a mask (PAD_D: head dims padded
+    # past head_size still do).
     dims = tl.arange(0, BLOCK_D)
     dim_valid = dims < head_size
     for tile in range(tile_lo, tile_hi):
@@ -95,25 +104,40 @@ def _attend_tiles(
             k_rows = keys.to(tl.int64) * stride_kc_block + kv_head * stride_kc_head
             v_rows = keys.to(tl.int64) * stride_vc_block + kv_head * stride_vc_head
         else:
-            block = tl.load(block_table_row_ptr + (keys // block_size) * stride_bt_block,
-                            mask=key_valid, other=0).to(tl.int64)
+            if MASKED:
+                block = tl.load(block_table_row_ptr + (keys // block_size) * stride_bt_block,
+                                mask=key_valid, other=0).to(tl.int64)
+            else:
+                block = tl.load(block_table_row_ptr
+                                + (keys // block_size) * stride_bt_block).to(tl.int64)
             offset = keys % block_size
             k_rows = (block * stride_kc_block + offset * stride_kc_offset
                       + kv_head * stride_kc_head)
             v_rows = (block * stride_vc_block + offset * stride_vc_offset
                       + kv_head * stride_vc_head)
-        kt = tl.load(key_cache_ptr + k_rows[None, :] + dims[:, None],
-                     mask=key_valid[None, :] & dim_valid[:, None], other=0.0)  # (BLOCK_D, TILE_N)
-        v = tl.load(value_cache_ptr + v_rows[:, None] + dims[None, :],
-                    mask=key_valid[:, None] & dim_valid[None, :], other=0.0)  # (TILE_N, BLOCK_D)
+        k_ptrs = key_cache_ptr + k_rows[None, :] + dims[:, None]  # (BLOCK_D, TILE_N)
+        v_ptrs = value_cache_ptr + v_rows[:, None] + dims[None, :]  # (TILE_N, BLOCK_D)
+        if MASKED:
+            kt = tl.load(k_ptrs, mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+        elif PAD_D:
+            kt = tl.load(k_ptrs, mask=dim_valid[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=dim_valid[None, :], other=0.0)
+        else:
+            kt = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
         s = _dot(q, kt, DOT_PRECISION, DOT_IN_FP32) * qk_scale  # (BLOCK_M, TILE_N)
-        visible = key_valid[None, :] & (keys[None, :] <= query_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
+        if MASKED:
+            visible = key_valid[None, :] & (keys[None, :] <= query_pos[:, None])
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row that has seen no key yet keeps max -inf; exp2(-inf - 0) = 0 avoids NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])  # (BLOCK_M, TILE_N)
-        alpha = tl.exp2(m_i - m_safe)  # (BLOCK_M,) rescales what was summed so far
+        if MASKED:
+            # A row that has seen no key yet keeps max -inf; exp2(-inf - 0) = 0 avoids NaN.
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new_safe = m_new  # every row saw a finite score in this tile
+        p = tl.exp2(s - m_new_safe[:, None])  # (BLOCK_M, TILE_N)
+        alpha = tl.exp2(m_i - m_new_safe)  # (BLOCK_M,) rescales what was summed so far
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_IN_FP32)
         m_i = m_new
@@ -172,8 +196,8 @@ def _unified_attention_kernel(
     stride_bt_seq, stride_bt_block,
     # constexpr flags
     CAUSAL: tl.constexpr, IS_SPLIT: tl.constexpr, KV_FROM_BATCH: tl.constexpr,
-    BLOCK_Q: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    BLOCK_Q: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr,
+    TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     # KV_FROM_BATCH: the key/value pointers are the step's (num_tokens, num_kv_heads,
     # head_size) tensors, seen as a cache of one-slot blocks; request i's keys are its own
@@ -213,16 +237,30 @@ def _unified_attention_kernel(
         query_pos = tl.zeros([BLOCK_M], tl.int64) + seq_len - 1  # sees every key
         kv_end = seq_len
     tile_lo, tile_hi = _key_tile_range(seq_len, kv_end, split, num_splits, IS_SPLIT, TILE_N)
+    # Tiles before `full_end` hold only keys every row of this program sees (causal: up to
+    # the first row's position); only the tiles from there on need the masks.
+    if CAUSAL:
+        full_end = (seq_len - query_len + q_offset + 1) // TILE_N
+    else:
+        full_end = seq_len // TILE_N
+    mid = tl.maximum(tl.minimum(full_end, tile_hi), tile_lo)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    table_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt_seq
     acc, m_i, l_i = _attend_tiles(
-        q, acc, m_i, l_i, key_base_ptr, value_base_ptr,
-        block_table_ptr + seq.to(tl.int64) * stride_bt_seq, tile_lo, tile_hi, kv_end,
+        q, acc, m_i, l_i, key_base_ptr, value_base_ptr, table_row_ptr, tile_lo, mid, kv_end,
         query_pos, kv_head, head_size, block_size, qk_scale,
         stride_bt_block, stride_kc_block, stride_kc_offset, stride_kc_head,
         stride_vc_block, stride_vc_offset, stride_vc_head,
-        KV_FROM_BATCH, BLOCK_D, TILE_N, DOT_PRECISION, DOT_IN_FP32,
+        False, KV_FROM_BATCH, BLOCK_D, PAD_D, TILE_N, DOT_PRECISION, DOT_IN_FP32,
+    )
+    acc, m_i, l_i = _attend_tiles(
+        q, acc, m_i, l_i, key_base_ptr, value_base_ptr, table_row_ptr, mid, tile_hi, kv_end,
+        query_pos, kv_head, head_size, block_size, qk_scale,
+        stride_bt_block, stride_kc_block, stride_kc_offset, stride_kc_head,
+        stride_vc_block, stride_vc_offset, stride_vc_head,
+        True, KV_FROM_BATCH, BLOCK_D, PAD_D, TILE_N, DOT_PRECISION, DOT_IN_FP32,
     )
     _store_result(
         out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, acc, m_i, l_i,
@@ -271,13 +309,24 @@ def unified_attention(
     if num_kv_splits is None:
         max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
         num_kv_splits = choose_num_kv_splits(
-            seq_lens.shape[0], key_cache.shape[2], max_query_len, max_seq_len
+            seq_lens.shape[0], key_cache.shape[2], max_query_len, max_seq_len,
+            **split_policy(query),
         )
     launch_kernel(
         query, (key_cache, value_cache), query_start_loc, seq_lens,
         block_table, scale, causal, max_query_len, num_kv_splits, out,
     )
     return out
+
+
+def split_policy(query: torch.Tensor) -> dict[str, int]:
+    """`choose_num_kv_splits`' keyword arguments: on a GPU, the tuning table's split policy;
+    under the interpreter, the defaults."""
+    if is_interpreted(_unified_attention_kernel) or query.device.type != "cuda":
+        return {}
+    tuning = attention_tuning()
+    return {"target_programs": tuning.target_programs,
+            "min_keys_per_split": tuning.min_keys_per_split}
 
 
 def prepare_output(
@@ -306,8 +355,10 @@ def launch_kernel(
     max_query_len: int,
     num_kv_splits: int,
     out: torch.Tensor,  # (num_tokens, num_heads, head_size), written
+    config: TileConfig | None = None,
 ) -> None:
-    """Launches the kernel (and the split-KV reduction) over inputs already checked.
+    """Launches the kernel (and the split-KV reduction) over inputs already checked;
+    `config` overrides the tuning table's tiles (on a GPU).
 
     `kv` is the key/value cache pair, or with `block_table` None the step's own keys and
     values as one-slot blocks (`encoder_attention`'s KV_FROM_BATCH mode).
@@ -322,7 +373,7 @@ def launch_kernel(
     else:
         table_strides = block_table.stride()
     tiles = launch_config(
-        query, num_kv_heads, max_query_len, is_interpreted(_unified_attention_kernel)
+        query, num_kv_heads, max_query_len, is_interpreted(_unified_attention_kernel), config
     )
     is_split = num_kv_splits > 1
     partials = (
