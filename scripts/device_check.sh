@@ -8,7 +8,8 @@
 # Triton stay) into a target folder, runs every test marked `gpu` and the GPU benchmarks,
 # and writes their logs to $OUT (or ./device-check-out). One run ends within about 10 minutes
 # (KVFERRY_DEVICE_CHECK_SECONDS, 560 by default, bounds the phases; the tests get what is
-# left); KVFERRY_GPU_TESTS, KVFERRY_SKIP_TUNING, KVFERRY_SKIP_KERNELS and the timeouts below
+# left); KVFERRY_GPU_TESTS, KVFERRY_SKIP_TUNING, KVFERRY_SKIP_KERNELS, KVFERRY_SKIP_ENGINE and
+# the timeouts below
 # fit it to a shorter lease.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,9 +53,12 @@ if [ -z "${KVFERRY_SKIP_KERNELS:-}" ]; then
     timeout 80 python3 -P benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log" || status=1
 fi
 # The engine against HF generate and the memory floor (KVFERRY_GPU_ENGINE_ARGS adds flags,
-# for example --skip-server).
-timeout "${KVFERRY_GPU_ENGINE_TIMEOUT:-200}" python3 -P benchmarks/gpu_engine.py \
-    ${KVFERRY_GPU_ENGINE_ARGS:---async-scheduling} 2>&1 | tee "$OUT/gpu_engine.log" || status=1
+# for example --skip-server; KVFERRY_SKIP_ENGINE leaves it out).
+if [ -z "${KVFERRY_SKIP_ENGINE:-}" ]; then
+    timeout "${KVFERRY_GPU_ENGINE_TIMEOUT:-200}" python3 -P benchmarks/gpu_engine.py \
+        ${KVFERRY_GPU_ENGINE_ARGS:---async-scheduling} 2>&1 | tee "$OUT/gpu_engine.log" \
+        || status=1
+fi
 # -P: the repository's own folders (kvferry/, operator/) must not shadow the installed package.
 # Test files that mark gpu tests, and folders whose conftest marks them for every test there
 # (KVFERRY_GPU_TESTS names a subset instead); the kernels' folder first.

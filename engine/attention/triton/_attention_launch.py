@@ -105,8 +105,19 @@ class AttentionTuning:
         }
 
 
-# Measured by benchmarks/attention_tuning.py (see benchmarks/README.md for the run).
-BUILT_IN = AttentionTuning()
+# Measured by benchmarks/attention_tuning.py on one NVIDIA H100 80GB HBM3 (Triton 3.6,
+# 2026-11-27; benchmarks/README.md has the figures). Split-KV paid on none of the decode
+# shapes measured (64 and 128 requests), so the split policy stays the default.
+BUILT_IN = AttentionTuning(
+    decode={
+        64: TileConfig(rows=16, tile_n=64, num_warps=4, num_stages=2),
+        128: TileConfig(rows=16, tile_n=32, num_warps=4, num_stages=2),
+    },
+    prefill={
+        64: TileConfig(rows=128, tile_n=64, num_warps=8, num_stages=2),
+        128: TileConfig(rows=128, tile_n=64, num_warps=4, num_stages=2),
+    },
+)
 
 
 @functools.cache
