@@ -172,6 +172,32 @@ def test_non_causal_sees_every_key(
     _check(batch, dtype, num_kv_splits, assert_close, references)
 
 
+# Lengths at the edges of the kernel's unmasked and masked key tiles (32 keys a tile under
+# the interpreter): decodes over exactly one tile, one past it, one short of it, two tiles,
+# three; a chunk of 38 over 62 cached keys (its first row is at position 62, one short of a
+# tile's last key); a fresh prefill of 65 (programs at offsets 0, 16, 32, 48, 64).
+EDGES = ([1, 1, 1, 1, 38, 65, 1], [32, 33, 31, 64, 100, 65, 96])
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 2], ids=["nosplit", "split2"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_keys_at_the_edges_of_unmasked_tiles(
+    device, causal, num_kv_splits, paged_batch, assert_close, references
+) -> None:
+    batch = paged_batch(*EDGES, 8, 2, 32, torch.float32, device, causal=causal, block_size=16,
+                        seed=17)
+    _check(batch, torch.float32, num_kv_splits, assert_close, references)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
+def test_keys_at_the_edges_of_unmasked_tiles_padded_head(
+    device, dtype, paged_batch, assert_close, references
+) -> None:
+    # Head size 80 pads to 128 dims: unmasked tiles still mask the padded dims.
+    batch = paged_batch(*EDGES, 6, 2, 80, dtype, device, block_size=16, seed=19)
+    _check(batch, dtype, 1, assert_close, references)
+
+
 def test_heuristic_splits_few_long_decodes(device, paged_batch, assert_close, references) -> None:
     lengths = ([1, 1], [1100, 700])
     assert choose_num_kv_splits(2, 1, 1, 1100) == 2
