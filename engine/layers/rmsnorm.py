@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from kvferry.engine.attention.triton.rmsnorm import fused_add_rms_norm, rms_norm
 from torch import nn
 
 
@@ -10,8 +11,12 @@ class RMSNorm(nn.Module):
     """`weight * x / sqrt(mean(x^2) + eps)`, computed in float32 like the reference.
 
     `add_and_norm` is the pre-norm decoder layer's residual step in one call: it adds
-    the residual, normalizes the sum, and returns the sum as the next residual.
+    the residual, normalizes the sum, and returns the sum as the next residual. With
+    `triton_kernels` set (see `kvferry.engine.layers.kernels`) each is one Triton launch
+    instead of about six PyTorch ones.
     """
+
+    triton_kernels = False
 
     def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype) -> None:
         super().__init__()
@@ -27,11 +32,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (..., hidden_size) -> (..., hidden_size)
+        if self.triton_kernels:
+            return rms_norm(x, self.weight, self.eps)
         return self._norm(x)
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns `(norm(x + residual), x + residual)`."""
+        if self.triton_kernels:
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         x = x + residual  # (num_tokens, hidden_size)
         return self._norm(x), x

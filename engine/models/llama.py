@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from kvferry.engine.attention.backend import AttentionBackend, AttentionMetadata, KVCacheView
 from kvferry.engine.executor.partition import PipelineStage
+from kvferry.engine.attention.triton.activation import silu_and_mul as triton_silu_and_mul
+from kvferry.engine.attention.triton.rotary import rotary_embedding
 from kvferry.engine.layers.activation import silu_and_mul
 from kvferry.engine.layers.embedding import VocabEmbedding
 from kvferry.engine.layers.linear import Linear
@@ -44,6 +46,8 @@ IntermediateTensors = tuple[torch.Tensor, torch.Tensor]
 
 class LlamaAttention(nn.Module):
     """Fused q/k/v projection, optional q/k norm, rope, paged attention, output projection."""
+
+    triton_kernels = False  # rope by the Triton kernel (see kvferry.engine.layers.kernels)
 
     def __init__(
         self,
@@ -103,14 +107,22 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_size)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary_emb(q, cos, sin)  # (num_tokens, num_heads, head_size)
-        k = apply_rotary_emb(k, cos, sin)  # (num_tokens, num_kv_heads, head_size)
+        if self.triton_kernels:
+            # cos/sin already hold each token's row: token t reads row t. In place, on
+            # views of the projection's output.
+            rows = torch.arange(num_tokens, device=q.device)
+            rotary_embedding(rows, q, k, cos, sin, is_neox=True)
+        else:
+            q = apply_rotary_emb(q, cos, sin)  # (num_tokens, num_heads, head_size)
+            k = apply_rotary_emb(k, cos, sin)  # (num_tokens, num_kv_heads, head_size)
         out = self.attn_backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # (num_tokens, hidden_size)
 
 
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))` with gate and up fused."""
+
+    triton_kernels = False  # SiLU-and-mul by the Triton kernel
 
     def __init__(self, config: ModelArchConfig, *, dtype: torch.dtype,
                  tp: TensorParallel | None = None) -> None:
@@ -136,7 +148,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, hidden_size) -> (num_tokens, hidden_size)
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        act = triton_silu_and_mul if self.triton_kernels else silu_and_mul
+        return self.down_proj(act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -22,6 +22,7 @@ import torch
 from kvferry.engine.attention.backend import AttentionBackend
 from kvferry.engine.executor.partition import PipelineStage
 from kvferry.engine.layers.linear import Linear, prepack_linear_weights
+from kvferry.engine.layers.kernels import use_triton_kernels
 from kvferry.engine.layers.tensor_parallel import TensorParallel, shard_heads
 from kvferry.engine.models.checkpoint import checkpoint_files
 from kvferry.engine.models.config import ModelArchConfig
@@ -180,6 +181,8 @@ def load_model(
         model = model_class(config, attn_backend, dtype, **kwargs)
     load_weights(model, model_dir)
     prepack_linear_weights(model)
+    if attn_backend.name == "triton":
+        use_triton_kernels(model)
     return model.eval()
 
 

@@ -1,4 +1,6 @@
-"""The whole engine with the Triton attention backend gives the torch backend's greedy tokens.
+"""The whole engine with the Triton attention backend (and, with it, the Triton RMSNorm,
+SiLU-and-mul and rotary kernels in the model's layers) gives the torch backend's greedy
+tokens.
 
 On a machine without a GPU the kernels run under Triton's interpreter (tests/conftest.py
 sets TRITON_INTERPRET=1 before they are imported), so CI runs this on every change; the
@@ -35,8 +37,17 @@ def _greedy_tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_triton_backend_matches_torch_on_a_mixed_batch(make_checkpoint) -> None:
-    path = make_checkpoint("LlamaForCausalLM", num_layers=2, hidden_size=64, num_heads=4,
+def _layers_on_triton(llm: LLM) -> tuple[int, int]:
+    """(modules with Triton kernels, how many of them use them) in the engine's model."""
+    model = llm.llm_engine.engine_core.runner.model
+    able = [m for m in model.modules() if hasattr(type(m), "triton_kernels")]
+    return len(able), sum(m.triton_kernels for m in able)
+
+
+# Qwen3 adds per-head q/k RMSNorm on views of the fused projection.
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_triton_backend_matches_torch_on_a_mixed_batch(make_checkpoint, architecture) -> None:
+    path = make_checkpoint(architecture, num_layers=2, hidden_size=64, num_heads=4,
                            num_kv_heads=2)
     rng = np.random.default_rng(21)
     shared = rng.integers(3, VOCAB_SIZE, size=19).tolist()
@@ -47,6 +58,11 @@ def test_triton_backend_matches_torch_on_a_mixed_batch(make_checkpoint) -> None:
     for backend in ("torch", "triton"):
         llm = _llm(path, backend)
         assert llm.llm_engine.engine_core.runner.attn_backend.name == backend
+        able, used = _layers_on_triton(llm)
+        # Per layer: two norms, attention's rope, the MLP (Qwen3: two more norms); the
+        # final norm.
+        assert able == 2 * (4 if architecture == "LlamaForCausalLM" else 6) + 1
+        assert used == (able if backend == "triton" else 0)
         results[backend] = _greedy_tokens(llm, prompts)
         stats = llm.llm_engine.stats
         assert stats.scheduler.num_preemptions > 0
