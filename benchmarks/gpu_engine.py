@@ -191,19 +191,22 @@ def decode_steps(llm: Any, setup: Setup, device: torch.device, num_steps: int,
     during which a kernel ran (None off CUDA)."""
     from kvferry import SamplingParams
 
+    from kvferry.engine.frontend.output_processor import RequestOutputKind
+
     engine = llm.llm_engine
     rng = np.random.default_rng(seed)
     vocab = setup.shape.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=num_steps + 64, ignore_eos=True)
     for index in range(setup.decode_batch):
         prompt = rng.integers(PAD_ID + 1, vocab, setup.decode_context).tolist()
-        engine.add_request(f"decode-{index}", {"prompt_token_ids": prompt}, params)
+        # Final-only outputs, as LLM.generate asks for: no per-step copy of every output.
+        engine.add_request(f"decode-{index}", {"prompt_token_ids": prompt}, params,
+                           output_kind=RequestOutputKind.FINAL_ONLY)
     # Until every request has its first token: from then on a step is decode only.
-    started: set[str] = set()
-    while len(started) < setup.decode_batch:
-        for output in engine.step():
-            if output.outputs and output.outputs[0].token_ids:
-                started.add(output.request_id)
+    children = [child for parent in engine.output_processor.parents.values()
+                for child in parent.children.values()]
+    while not all(child.token_ids for child in children):
+        engine.step()
     times = []
     for _ in range(num_steps):
         start = time.perf_counter()
