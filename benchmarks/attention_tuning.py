@@ -90,11 +90,12 @@ def candidates(kind: str, quick: bool) -> list[dict[str, int]]:
     """TileConfig fields to try for a kind of launch."""
     if kind == "decode":
         grid = itertools.product([16], [32, 64, 128] if not quick else [64],
-                                 [2, 4, 8] if not quick else [4], [1, 2, 3, 4] if not quick else [3])
+                                 [2, 4, 8] if not quick else [4],
+                                 [1, 2, 3, 4] if not quick else [3])
     else:
         grid = itertools.product([64, 128], [32, 64, 128] if not quick else [64],
                                  [4, 8], [1, 2, 3] if not quick else [3])
-    return [dict(rows=r, tile_n=n, num_warps=w, num_stages=s) for r, n, w, s in grid]
+    return [{"rows": r, "tile_n": n, "num_warps": w, "num_stages": s} for r, n, w, s in grid]
 
 
 def make_inputs(shape: Shape, context: int | None = None) -> dict[str, Any]:
@@ -155,7 +156,7 @@ def _compile(jobs: list[tuple[Shape, dict[str, int], int]],
             inputs = make_inputs(shape, context=min(64, shape.context))
             launcher(inputs, config, splits, torch.empty_like(inputs["query"]))()
             synchronize()
-        except Exception as exc:  # a candidate that does not compile is left out, not fatal
+        except Exception as exc:  # noqa: BLE001 - a candidate that does not compile is left out
             failed.append((specialization(shape, splits), tuple(sorted(config.items())),
                            f"{type(exc).__name__}: {str(exc)[:200]}"))
     return failed
@@ -215,20 +216,41 @@ def time_ms(fn: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(shape: Shape, inputs: dict[str, Any], ref: torch.Tensor,
-            config: dict[str, int] | None, splits: int, repeats: int) -> float | str:
-    """Milliseconds of one candidate, or why it was refused."""
-    out = torch.empty_like(inputs["query"])
+def ragged_check(shape: Shape, inputs: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
+    """Decode inputs with each request's context cut by 0-40 keys, and their reference: the
+    last key tile is then partial (masked), which the timed shapes, multiples of every
+    tile, never have."""
+    from kvferry.engine.attention.triton.unified_attention import unified_attention_reference
+
+    gen = torch.Generator().manual_seed(shape.context)
+    cut = torch.randint(0, 41, (shape.num_seqs,), generator=gen)
+    seq_lens = (inputs["seq_lens"].cpu() - cut).clamp_min(1).to(torch.int32).to(DEVICE)
+    ragged = {**inputs, "seq_lens": seq_lens}
+    q = inputs["query"]
+    ref = unified_attention_reference(
+        q, inputs["key_cache"], inputs["value_cache"], inputs["query_start_loc"], seq_lens,
+        inputs["block_table"], q.shape[-1] ** -0.5)
+    return ragged, ref
+
+
+def measure(checks: list[tuple[dict[str, Any], torch.Tensor]], config: dict[str, int] | None,
+            splits: int, repeats: int) -> float | str:
+    """Milliseconds of one candidate on the first check's inputs, once its output matched
+    every check's reference; else why it was refused."""
     try:
-        run = launcher(inputs, config, splits, out)
-        out.fill_(float("nan"))
-        run()
-        synchronize()
-        error = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        if not error <= MAX_REL_ERROR:  # NaN (an unwritten row) fails too
-            return f"relative error {error:.3g}"
-        return time_ms(run, repeats)
-    except Exception as exc:
+        for inputs, ref in checks:
+            out = torch.empty_like(inputs["query"])
+            run = launcher(inputs, config, splits, out)
+            out.fill_(float("nan"))
+            run()
+            synchronize()
+            error = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            if not error <= MAX_REL_ERROR:  # NaN (an unwritten row) fails too
+                return f"relative error {error:.3g}"
+        inputs = checks[0][0]
+        return time_ms(launcher(inputs, config, splits, torch.empty_like(inputs["query"])),
+                       repeats)
+    except Exception as exc:  # noqa: BLE001 - a candidate that fails is refused, not fatal
         return f"{type(exc).__name__}: {str(exc)[:120]}"
 
 
@@ -271,12 +293,14 @@ def main() -> None:
         print(f"  compile failed: {dict(config)}: {error}")
 
     results: dict[str, dict[str, Any]] = {}
-    data: dict[Shape, tuple[dict[str, Any], torch.Tensor]] = {}
+    data: dict[Shape, list[tuple[dict[str, Any], torch.Tensor]]] = {}
     out_of_time = False
     for shape in shapes:
         inputs = make_inputs(shape)
-        ref = reference(shape, inputs)
-        built_in = measure(shape, inputs, ref, None, 1, args.repeats)
+        checks = [(inputs, reference(shape, inputs))]
+        if shape.kind == "decode":
+            checks.append(ragged_check(shape, inputs))
+        built_in = measure(checks, None, 1, args.repeats)
         row: dict[str, Any] = {"built_in_ms": built_in, "candidates": []}
         for config in per_kind[shape.kind]:
             if time.monotonic() - started > args.budget_s:
@@ -285,15 +309,15 @@ def main() -> None:
             if (specialization(shape, 1), tuple(sorted(config.items()))) in broken:
                 result: float | str = "did not compile"
             else:
-                result = measure(shape, inputs, ref, config, 1, args.repeats)
+                result = measure(checks, config, 1, args.repeats)
             row["candidates"].append((config, result))
         results[shape.name] = row
         print(f"{shape.name}: built-in {fmt(built_in)} ms, {len(row['candidates'])} "
               f"candidates", flush=True)
         if shape.kind == "decode":
-            data[shape] = (inputs, ref)  # kept for the split pass
+            data[shape] = checks  # kept for the split pass
         else:
-            del inputs, ref
+            del inputs, checks
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
 
@@ -307,15 +331,15 @@ def main() -> None:
 
     # Split-KV with each decode winner: programs x splits where it paid (>= 3% faster).
     target_programs = BUILT_IN.target_programs
-    for shape, (inputs, ref) in data.items():
+    for shape, checks in data.items():
         winner = tables["decode"].get(shape.head_size)
         if winner is None or time.monotonic() - started > args.budget_s + 30:
             continue
         config = asdict(winner)
-        best_split, best_ms = 1, measure(shape, inputs, ref, config, 1, args.repeats)
+        best_split, best_ms = 1, measure(checks, config, 1, args.repeats)
         split_ms: dict[int, float | str] = {1: best_ms}
         for splits in SPLITS:
-            split_ms[splits] = ms = measure(shape, inputs, ref, config, splits, args.repeats)
+            split_ms[splits] = ms = measure(checks, config, splits, args.repeats)
             if isinstance(ms, float) and isinstance(best_ms, float) and ms < 0.97 * best_ms:
                 best_split, best_ms = splits, ms
         results[shape.name].update(split_ms=split_ms, best_split=best_split, tuned_ms=best_ms)

@@ -189,9 +189,9 @@ def decode_steps(llm: Any, setup: Setup, device: torch.device, num_steps: int,
     """Milliseconds of `num_steps` engine steps with `decode_batch` requests decoding at
     about `decode_context` tokens of context, and the share of a few more steps' wall time
     during which a kernel ran (None off CUDA)."""
-    from kvferry import SamplingParams
-
     from kvferry.engine.frontend.output_processor import RequestOutputKind
+
+    from kvferry import SamplingParams
 
     engine = llm.llm_engine
     rng = np.random.default_rng(seed)

@@ -139,10 +139,14 @@ def main() -> None:
     device = torch.cuda.get_device_name()
     bandwidth = copy_bandwidth(args.repeats)
     print(f"{device}: device copy {bandwidth / 1e12:.2f} TB/s (read + written)")
-    from kvferry.engine.attention.triton._attention_launch import attention_tuning
+    from kvferry.engine.attention.triton._attention_launch import (
+        attention_tuning,
+        device_capability,
+    )
 
+    tuning = attention_tuning(device_capability(torch.device("cuda"))).source
     figures: dict[str, Any] = {"device": device, "copy_tb_s": round(bandwidth / 1e12, 3),
-                               "tuning": attention_tuning().source}
+                               "tuning": tuning}
     for context in DECODE_CONTEXTS:
         decode = bench_decode(context, bandwidth, args.repeats)
         print(f"decode batch {DECODE_BATCH} x {context}: {decode}")

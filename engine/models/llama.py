@@ -21,9 +21,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from kvferry.engine.attention.backend import AttentionBackend, AttentionMetadata, KVCacheView
-from kvferry.engine.executor.partition import PipelineStage
 from kvferry.engine.attention.triton.activation import silu_and_mul as triton_silu_and_mul
 from kvferry.engine.attention.triton.rotary import rotary_embedding
+from kvferry.engine.executor.partition import PipelineStage
 from kvferry.engine.layers.activation import silu_and_mul
 from kvferry.engine.layers.embedding import VocabEmbedding
 from kvferry.engine.layers.linear import Linear
@@ -111,7 +111,7 @@ class LlamaAttention(nn.Module):
             # cos/sin already hold each token's row: token t reads row t. In place, on
             # views of the projection's output.
             rows = torch.arange(num_tokens, device=q.device)
-            rotary_embedding(rows, q, k, cos, sin, is_neox=True)
+            rotary_embedding(rows, q, k, cos, sin, is_neox=True, round_each_op=True)
         else:
             q = apply_rotary_emb(q, cos, sin)  # (num_tokens, num_heads, head_size)
             k = apply_rotary_emb(k, cos, sin)  # (num_tokens, num_kv_heads, head_size)

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from kvferry.engine.attention.backend import AttentionBackend
 from kvferry.engine.executor.partition import PipelineStage
-from kvferry.engine.layers.linear import Linear, prepack_linear_weights
 from kvferry.engine.layers.kernels import use_triton_kernels
+from kvferry.engine.layers.linear import Linear, prepack_linear_weights
 from kvferry.engine.layers.tensor_parallel import TensorParallel, shard_heads
 from kvferry.engine.models.checkpoint import checkpoint_files
 from kvferry.engine.models.config import ModelArchConfig

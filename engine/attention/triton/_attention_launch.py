@@ -4,11 +4,12 @@ and grid.
 On a GPU the shape comes from a tuning table: for decode launches (few queries per request)
 and prefill launches, per padded head size, the query rows per program, the keys per tile,
 the warps and the software-pipeline stages, plus when decode launches split their keys
-(split-KV). The built-in table holds what `benchmarks/attention_tuning.py` measured; that
-script writes a table of the same form for the GPU it runs on, and the environment variable
-KVFERRY_ATTENTION_TUNING naming such a file makes every launch of the process use it (read
-once, on the first launch). Head sizes the table lacks fall back to `gpu_tiles`, which sizes
-tiles by a register budget.
+(split-KV). The built-in table holds what `benchmarks/attention_tuning.py` measured on a
+Hopper GPU and applies to Hopper GPUs (compute capability 9.x); that script writes a table
+of the same form for the GPU it runs on, and the environment variable
+KVFERRY_ATTENTION_TUNING naming such a file makes every launch of the process use it, on
+any GPU (read once, on the first launch). Other GPUs, and head sizes a table lacks, fall
+back to `gpu_tiles`, which sizes tiles by a register budget.
 """
 
 from __future__ import annotations
@@ -43,16 +44,22 @@ class TileConfig:
     num_stages: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("rows", "tile_n", "num_warps"):
+        # (name, least, most): powers of two; tl.dot needs 16 rows and keys, a program has
+        # at most 32 warps.
+        for name, least, most in (("rows", 16, 256), ("tile_n", 16, 256), ("num_warps", 1, 32)):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1 or value != next_power_of_2(value):
-                raise ValueError(f"{name} must be a power of two >= 1, got {value!r}")
-        if self.rows < 16 or self.tile_n < 16:
-            raise ValueError(f"rows and tile_n must be >= 16 (tl.dot), got {self}")
+            if (not _is_int(value) or not least <= value <= most
+                    or value != next_power_of_2(value)):
+                raise ValueError(f"{name} must be a power of two in {least}..{most}, "
+                                 f"got {value!r}")
         if self.num_stages is not None and (
-            not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8
+            not _is_int(self.num_stages) or not 1 <= self.num_stages <= 8
         ):
             raise ValueError(f"num_stages must be None or 1..8, got {self.num_stages!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -69,27 +76,36 @@ class AttentionTuning:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str) -> AttentionTuning:
-        """A table from its JSON form (as `to_dict` writes it); ValueError names what is
-        wrong."""
+        """A table from its JSON form (as `to_dict` writes it); ValueError (for a wrong type
+        too: the file is the input) names what is wrong."""
         if not isinstance(data, dict):
-            raise ValueError(f"{source}: an attention tuning table is a JSON object")
+            raise ValueError(  # noqa: TRY004
+                f"{source}: an attention tuning table is a JSON object")
         tables: dict[str, dict[int, TileConfig]] = {}
         for kind in ("decode", "prefill"):
             entries = data.get(kind, {})
             if not isinstance(entries, dict):
-                raise ValueError(f"{source}: {kind!r} must map head sizes to tile configs")
+                raise ValueError(  # noqa: TRY004
+                    f"{source}: {kind!r} must map head sizes to tile configs")
             tables[kind] = {}
             for head, config in entries.items():
                 try:
                     block_d = int(head)
+                    if block_d != max(16, next_power_of_2(block_d)) or block_d > 256:
+                        raise ValueError("head sizes are keyed padded: a power of two in "
+                                         "16..256 (head size 80 takes 128's entry)")
+                    if not isinstance(config, dict):
+                        raise ValueError("a tile config is an object")  # noqa: TRY004
                     tables[kind][block_d] = TileConfig(**config)
                 except (TypeError, ValueError) as exc:
                     raise ValueError(f"{source}: {kind}[{head!r}]: {exc}") from None
         split = data.get("split", {})
+        if not isinstance(split, dict):
+            raise ValueError(f"{source}: 'split' must be an object")  # noqa: TRY004
         target = split.get("target_programs", cls.target_programs)
         min_keys = split.get("min_keys_per_split", cls.min_keys_per_split)
         for name, value in (("target_programs", target), ("min_keys_per_split", min_keys)):
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"{source}: split.{name} must be a positive integer")
         return cls(tables["decode"], tables["prefill"], target, min_keys, source)
 
@@ -105,9 +121,12 @@ class AttentionTuning:
         }
 
 
+# No table: every launch sized by `gpu_tiles`, the default split policy.
+NO_TABLE = AttentionTuning(source="none")
 # Measured by benchmarks/attention_tuning.py on one NVIDIA H100 80GB HBM3 (Triton 3.6,
-# 2026-11-27; benchmarks/README.md has the figures). Split-KV paid on none of the decode
-# shapes measured (64 and 128 requests), so the split policy stays the default.
+# 2026-11-27; benchmarks/README.md has the figures); used on compute capability 9.x. Split-KV
+# paid on none of the decode shapes measured (64 and 128 requests), so the split policy
+# stays the default.
 BUILT_IN = AttentionTuning(
     decode={
         64: TileConfig(rows=16, tile_n=64, num_warps=4, num_stages=2),
@@ -120,13 +139,27 @@ BUILT_IN = AttentionTuning(
 )
 
 
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of `device` (None for any other device)."""
+    if device.type != "cuda":
+        return None
+    return _cuda_capability(device.index if device.index is not None
+                            else torch.cuda.current_device())
+
+
 @functools.cache
-def attention_tuning() -> AttentionTuning:
-    """The table launches use: the file KVFERRY_ATTENTION_TUNING names, else the built-in
-    one. A file that cannot be read or parsed is an error, not a silent fallback."""
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.cache
+def attention_tuning(capability: tuple[int, int] | None = None) -> AttentionTuning:
+    """The table launches on a GPU of `capability` use: the file KVFERRY_ATTENTION_TUNING
+    names (whatever the GPU), else the built-in one on Hopper (9.x), else none. A file that
+    cannot be read or parsed is an error, not a silent fallback."""
     path = os.environ.get(TUNING_ENV)
     if not path:
-        return BUILT_IN
+        return BUILT_IN if capability is not None and capability[0] == 9 else NO_TABLE
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
@@ -140,20 +173,25 @@ def launch_config(
     max_query_len: int,
     interpreted: bool,
     config: TileConfig | None = None,
+    tuning: AttentionTuning | None = None,
 ) -> dict[str, Any]:
     """The kernel's constexprs and launch options: BLOCK_Q queries by GROUP heads per
     program, TILE_N keys per step, BLOCK_D padded head dims, how the dots run, warps and
-    stages. `config` overrides the table (the tuning benchmark's candidates)."""
+    stages. `config` overrides the table (the tuning benchmark's candidates; under the
+    interpreter too, where only its tile shape matters); `tuning` is the table (None:
+    `attention_tuning` for the query's device)."""
     num_heads, head_size = query.shape[1:]
     group = next_power_of_2(num_heads // num_kv_heads)
     block_d = max(16, next_power_of_2(head_size))
     options: dict[str, Any] = {"num_warps": 8}
-    if interpreted:
+    if interpreted and config is None:
         # The interpreter pays per operation, not per element: few, large tiles.
         rows, tile_n = (64 if max_query_len * group >= 32 else 16), 32
     else:
         if config is None:
-            config = tile_config(group, block_d, max_query_len, query.element_size())
+            if tuning is None:
+                tuning = attention_tuning(device_capability(query.device))
+            config = tile_config(tuning, group, block_d, max_query_len, query.element_size())
         rows, tile_n = max(config.rows, group), config.tile_n
         options["num_warps"] = config.num_warps
         if config.num_stages is not None:
@@ -172,12 +210,12 @@ def launch_config(
     }
 
 
-def tile_config(group: int, block_d: int, max_query_len: int, element_size: int) -> TileConfig:
-    """The table's config for this launch, or `gpu_tiles`' where the table has none.
+def tile_config(tuning: AttentionTuning, group: int, block_d: int, max_query_len: int,
+                element_size: int) -> TileConfig:
+    """`tuning`'s config for this launch, or `gpu_tiles`' where the table has none.
 
-    The table was measured for 16-bit caches; float32 ones (twice the registers per
+    The tables are measured for 16-bit caches; float32 ones (twice the registers per
     element) always take `gpu_tiles`."""
-    tuning = attention_tuning()
     kind = tuning.decode if max_query_len <= MAX_DECODE_QUERY_LEN else tuning.prefill
     config = kind.get(block_d) if element_size <= 2 else None
     if config is not None:

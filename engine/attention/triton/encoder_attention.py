@@ -17,7 +17,11 @@ import torch
 from kvferry.engine.attention.triton._attention_inputs import check_encoder_inputs
 from kvferry.engine.attention.triton._runtime import require_triton
 from kvferry.engine.attention.triton.split_kv import choose_num_kv_splits
-from kvferry.engine.attention.triton.unified_attention import launch_kernel, prepare_output
+from kvferry.engine.attention.triton.unified_attention import (
+    launch_kernel,
+    prepare_output,
+    split_policy,
+)
 
 
 def encoder_attention(
@@ -53,7 +57,8 @@ def encoder_attention(
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if num_kv_splits is None:
         # Keys per request are its queries: only batches of short inputs could split.
-        num_kv_splits = choose_num_kv_splits(num_seqs, key.shape[1], max_query_len, max_query_len)
+        num_kv_splits = choose_num_kv_splits(num_seqs, key.shape[1], max_query_len, max_query_len,
+                                             **split_policy(query))
     # (num_tokens, 1, num_kv_heads, head_size): token t is block t of one slot.
     kv = (key.unsqueeze(1), value.unsqueeze(1))
     launch_kernel(

@@ -34,6 +34,7 @@ def _rotate_heads(
     sin,
     half,
     IS_NEOX: tl.constexpr,
+    ROUND_EACH_OP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
@@ -48,8 +49,17 @@ def _rotate_heads(
     base = x_ptr + token * stride_token + heads * stride_head
     x1 = tl.load(base + first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + second, mask=mask, other=0.0).to(tl.float32)
-    tl.store(base + first, x1 * cos - x2 * sin, mask=mask)
-    tl.store(base + second, x2 * cos + x1 * sin, mask=mask)
+    if ROUND_EACH_OP:
+        # Each product rounded to the storage dtype before the sum, as eager PyTorch (and
+        # HF's models) compute rope in half precision.
+        dtype = x_ptr.dtype.element_ty
+        r1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
+        r2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    else:
+        r1 = x1 * cos - x2 * sin
+        r2 = x2 * cos + x1 * sin
+    tl.store(base + first, r1, mask=mask)
+    tl.store(base + second, r2, mask=mask)
 
 
 @triton.jit
@@ -73,6 +83,7 @@ def _rotary_kernel(
     stride_sin,
     # constexpr flags
     IS_NEOX: tl.constexpr,
+    ROUND_EACH_OP: tl.constexpr,
     BLOCK_HQ: tl.constexpr,  # num_heads rounded up to a power of two
     BLOCK_HK: tl.constexpr,  # num_kv_heads rounded up to a power of two
     BLOCK_R: tl.constexpr,  # half rounded up to a power of two
@@ -93,6 +104,7 @@ def _rotary_kernel(
         sin,
         half,
         IS_NEOX,
+        ROUND_EACH_OP,
         BLOCK_HQ,
         BLOCK_R,
     )
@@ -106,6 +118,7 @@ def _rotary_kernel(
         sin,
         half,
         IS_NEOX,
+        ROUND_EACH_OP,
         BLOCK_HK,
         BLOCK_R,
     )
@@ -150,11 +163,15 @@ def rotary_embedding(
     cos_cache: torch.Tensor,  # (max_positions, rot_dim // 2)
     sin_cache: torch.Tensor,  # (max_positions, rot_dim // 2)
     is_neox: bool = True,
+    round_each_op: bool = False,
 ) -> None:
     """Rotates the first `rot_dim` dims of every query and key head by its token's angle.
 
-    Arithmetic runs in float32; results are rounded once to the tensors' dtype. Positions
-    must lie in `[0, max_positions)` (they are not bounds-checked on the device).
+    Arithmetic runs in float32; results are rounded once to the tensors' dtype, or with
+    `round_each_op` after each product and sum, as eager PyTorch computes rope in the
+    tensors' dtype (the models' path: their outputs then equal the torch backend's and
+    HF's bit for bit). Positions must lie in `[0, max_positions)` (they are not
+    bounds-checked on the device).
     """
     require_triton()
     _check_inputs(positions, query, key, cos_cache, sin_cache)
@@ -186,6 +203,7 @@ def rotary_embedding(
         cos_cache.stride(0),
         sin_cache.stride(0),
         IS_NEOX=is_neox,
+        ROUND_EACH_OP=round_each_op,
         BLOCK_HQ=next_power_of_2(num_heads),
         BLOCK_HK=next_power_of_2(num_kv_heads),
         BLOCK_R=next_power_of_2(half),

@@ -29,6 +29,7 @@ from kvferry.engine.attention.triton._attention_inputs import check_attention_in
 from kvferry.engine.attention.triton._attention_launch import (
     TileConfig,
     attention_tuning,
+    device_capability,
     grid_size,
     launch_config,
 )
@@ -324,7 +325,7 @@ def split_policy(query: torch.Tensor) -> dict[str, int]:
     under the interpreter, the defaults."""
     if is_interpreted(_unified_attention_kernel) or query.device.type != "cuda":
         return {}
-    tuning = attention_tuning()
+    tuning = attention_tuning(device_capability(query.device))
     return {"target_programs": tuning.target_programs,
             "min_keys_per_split": tuning.min_keys_per_split}
 

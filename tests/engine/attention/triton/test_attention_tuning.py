@@ -1,7 +1,7 @@
-"""The unified attention kernel's launch shapes: the built-in tuning table, a table file
-named by KVFERRY_ATTENTION_TUNING, the fallback for what a table lacks, the split policy, and
-benchmarks/attention_tuning.py (its --smoke run under the interpreter writes a table this
-code reads)."""
+"""The unified attention kernel's launch shapes: the built-in tuning table (Hopper GPUs),
+a table file named by KVFERRY_ATTENTION_TUNING (any GPU), the fallback for what a table
+lacks, the split policy, and benchmarks/attention_tuning.py (its --smoke run under the
+interpreter tries its candidates' tile shapes and writes a table this code reads)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from kvferry.engine.attention.triton import _attention_launch as launch
 from kvferry.engine.attention.triton._attention_launch import (
     BUILT_IN,
+    NO_TABLE,
     TUNING_ENV,
     AttentionTuning,
     TileConfig,
@@ -27,10 +29,19 @@ from kvferry.engine.attention.triton.split_kv import choose_num_kv_splits
 BENCHMARK = Path(__file__).resolve().parents[4] / "benchmarks" / "attention_tuning.py"
 
 
+@pytest.fixture(autouse=True)
+def no_table_file(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every test starts without a table file in the environment and with no table read,
+    and leaves none read (later tests see the built-in table again)."""
+    monkeypatch.delenv(TUNING_ENV, raising=False)
+    attention_tuning.cache_clear()
+    yield
+    attention_tuning.cache_clear()
+
+
 @pytest.fixture
-def tuning_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """Writes a table, names it in the environment and drops the cached table around the
-    test (so later tests see the built-in one again)."""
+def tuning_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[object], Path]:
+    """Writes a table and names it in the environment."""
 
     def write(data: object) -> Path:
         path = tmp_path / "tuning.json"
@@ -39,22 +50,33 @@ def tuning_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         attention_tuning.cache_clear()
         return path
 
-    yield write
-    monkeypatch.delenv(TUNING_ENV, raising=False)
-    attention_tuning.cache_clear()
+    return write
+
+
+HOPPER, AMPERE = (9, 0), (8, 0)
 
 
 def _query(num_heads: int, head_size: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return torch.empty(1, num_heads, head_size, dtype=dtype, device="meta")
 
 
-def _gpu_config(query: torch.Tensor, num_kv_heads: int, max_query_len: int) -> dict:
-    return launch_config(query, num_kv_heads, max_query_len, interpreted=False)
+def _gpu_config(query: torch.Tensor, num_kv_heads: int, max_query_len: int,
+                tuning: AttentionTuning | None = BUILT_IN) -> dict:
+    return launch_config(query, num_kv_heads, max_query_len, interpreted=False, tuning=tuning)
+
+
+def test_the_built_in_table_is_for_hopper_gpus() -> None:
+    assert attention_tuning(HOPPER) is BUILT_IN and attention_tuning((9, 2)) is BUILT_IN
+    # Measured on an H100: other GPUs (and a launch without a device) size tiles themselves.
+    assert attention_tuning(AMPERE) is NO_TABLE and attention_tuning(None) is NO_TABLE
+    assert NO_TABLE.decode == {} and NO_TABLE.prefill == {}
+    # A launch on a device that is no GPU (here: meta) looks up no table.
+    config = launch_config(_query(32, 128), 8, 1, interpreted=False)
+    assert (config["BLOCK_Q"] * config["GROUP"], config["TILE_N"]) == launch.gpu_tiles(
+        4, 128, 1, 2)
 
 
 def test_gpu_launches_take_the_built_in_table() -> None:
-    attention_tuning.cache_clear()
-    assert attention_tuning() is BUILT_IN
     decode, prefill = BUILT_IN.decode[128], BUILT_IN.prefill[128]
     config = _gpu_config(_query(32, 128), 8, max_query_len=1)
     assert (config["TILE_N"], config["num_warps"], config["num_stages"]) == (
@@ -73,7 +95,6 @@ def test_gpu_launches_take_the_built_in_table() -> None:
 
 
 def test_what_the_table_lacks_falls_back_to_the_register_budget() -> None:
-    attention_tuning.cache_clear()
     # float32 caches (twice the registers per element) and head sizes the table lacks.
     for query, rows_tile in ((_query(32, 128, torch.float32), launch.gpu_tiles(4, 128, 1, 4)),
                              (_query(8, 256), launch.gpu_tiles(4, 256, 1, 2))):
@@ -82,9 +103,13 @@ def test_what_the_table_lacks_falls_back_to_the_register_budget() -> None:
         assert config["num_warps"] == 8 and "num_stages" not in config
 
 
-def test_the_interpreter_ignores_the_table() -> None:
-    config = launch_config(_query(32, 128), 8, 1, interpreted=True)
+def test_the_interpreter_ignores_the_table_but_takes_a_given_config() -> None:
+    config = launch_config(_query(32, 128), 8, 1, interpreted=True, tuning=BUILT_IN)
     assert config["TILE_N"] == 32 and "num_stages" not in config
+    # The tuning benchmark's candidates: their tile shape runs under the interpreter too.
+    given = TileConfig(rows=64, tile_n=128, num_warps=2, num_stages=4)
+    config = launch_config(_query(32, 128), 8, 1, interpreted=True, config=given)
+    assert (config["BLOCK_Q"], config["TILE_N"], config["num_warps"]) == (16, 128, 2)
 
 
 def test_a_table_file_named_in_the_environment_is_used(tuning_file) -> None:
@@ -92,34 +117,47 @@ def test_a_table_file_named_in_the_environment_is_used(tuning_file) -> None:
                                     "num_stages": 5}},
                  "split": {"target_programs": 1024, "min_keys_per_split": 256},
                  "measured_on": "a GPU"})
-    tuning = attention_tuning()
+    tuning = attention_tuning(AMPERE)  # a file applies whatever the GPU
+    assert attention_tuning(HOPPER) == tuning and attention_tuning(None) == tuning
     assert tuning.target_programs == 1024 and tuning.min_keys_per_split == 256
     assert tuning.prefill == {}  # not in the file: the fallback, not the built-in table
-    config = _gpu_config(_query(32, 128), 8, max_query_len=1)
+    config = _gpu_config(_query(32, 128), 8, max_query_len=1, tuning=tuning)
     assert (config["BLOCK_Q"], config["TILE_N"], config["num_warps"], config["num_stages"]) == (
         8, 128, 2, 5)
-    config = _gpu_config(_query(32, 128), 8, max_query_len=100)
+    config = _gpu_config(_query(32, 128), 8, max_query_len=100, tuning=tuning)
     assert config["num_warps"] == 8 and "num_stages" not in config
 
 
 @pytest.mark.parametrize(("data", "match"), [
     ({"decode": {"128": {"rows": 16, "tile_n": 24, "num_warps": 4}}},
-     r"decode\['128'\]: tile_n must be a power of two"),
+     r"decode\['128'\]: tile_n must be a power of two in 16..256"),
     ({"prefill": {"64": {"rows": 8, "tile_n": 32, "num_warps": 4}}},
-     r"prefill\['64'\]: rows and tile_n must be >= 16"),
+     r"prefill\['64'\]: rows must be a power of two in 16..256"),
     ({"decode": {"wide": {"rows": 16, "tile_n": 32, "num_warps": 4}}}, r"decode\['wide'\]"),
     ({"decode": {"64": {"rows": 16, "tile_n": 32, "num_warps": 4, "stages": 2}}},
      r"decode\['64'\]: .*unexpected keyword"),
     ({"decode": {"64": {"rows": 16, "tile_n": 32, "num_warps": 4, "num_stages": 0}}},
      "num_stages must be None or 1..8"),
     ({"split": {"target_programs": -1}}, "split.target_programs must be a positive integer"),
+    ({"split": {"target_programs": True}}, "split.target_programs must be a positive integer"),
+    ({"split": [1024]}, "'split' must be an object"),
+    ({"split": None}, "'split' must be an object"),
+    ({"decode": {"128": {"rows": 16, "tile_n": 32, "num_warps": True}}},
+     "num_warps must be a power of two in 1..32"),
+    ({"decode": {"128": {"rows": 16, "tile_n": 32, "num_warps": 64}}},
+     "num_warps must be a power of two in 1..32"),
+    ({"decode": {"128": {"rows": 512, "tile_n": 32, "num_warps": 4}}},
+     "rows must be a power of two in 16..256"),
+    ({"decode": {"80": {"rows": 16, "tile_n": 32, "num_warps": 4}}},
+     r"decode\['80'\]: head sizes are keyed padded"),
+    ({"decode": {"128": [16, 32, 4]}}, r"decode\['128'\]: a tile config is an object"),
     ({"decode": [1, 2]}, "'decode' must map head sizes to tile configs"),
     ([], "a JSON object"),
 ])
 def test_a_bad_table_file_is_refused_by_name(tuning_file, data, match) -> None:
     path = tuning_file(data)
     with pytest.raises(ValueError, match=match) as raised:
-        attention_tuning()
+        attention_tuning(HOPPER)
     assert str(path) in str(raised.value)
 
 
@@ -128,7 +166,7 @@ def test_an_unreadable_table_file_is_an_error(tuning_file, tmp_path: Path) -> No
     os.environ[TUNING_ENV] = str(tmp_path / "missing.json")
     attention_tuning.cache_clear()
     with pytest.raises(ValueError, match=f"{TUNING_ENV}=.*missing.json: cannot read"):
-        attention_tuning()
+        attention_tuning(HOPPER)
 
 
 def test_a_table_survives_its_json_form() -> None:

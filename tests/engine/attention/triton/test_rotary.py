@@ -85,6 +85,27 @@ def test_neox_matches_the_engines_rotary_with_llama3_scaling(device, dtype, asse
     assert_close(k, expected_k, dtype, "key")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_rounding_each_op_equals_the_engines_eager_rotary(device, dtype, assert_close) -> None:
+    # The models' path: products and sums rounded to the half dtype one by one, as eager
+    # PyTorch (and HF) compute rope, so the Triton layers give the torch backend's numbers.
+    positions = torch.arange(7, 7 + 64, device=device)
+    cos, sin = _tables(128, LLAMA3_SCALING, dtype, device)
+    _, q, k, _ = _qkv(64, 8, 2, 128, dtype, device, seed=9)
+    expected_q = apply_rotary_emb(q, cos[positions], sin[positions])
+    expected_k = apply_rotary_emb(k, cos[positions], sin[positions])
+    once_q, once_k = q.clone(), k.clone()
+    rotary_embedding(positions, once_q, once_k, cos, sin, is_neox=True)
+    rotary_embedding(positions, q, k, cos, sin, is_neox=True, round_each_op=True)
+    if device == "cpu" and dtype == torch.bfloat16:
+        # The interpreter rounds bfloat16 toward zero: only close (fp16 and CUDA: equal).
+        assert_close(q, expected_q, dtype, "query")
+    else:
+        assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+        # Rounding once gives other numbers: the flag is what makes them equal.
+        assert not torch.equal(once_q, expected_q)
+
+
 def test_gptj_pairs_adjacent_dims(device) -> None:
     # One pair rotated by 90 degrees: GPT-J maps (x0, x1) -> (-x1, x0), NeoX pairs x0 with x2.
     cos = torch.tensor([[0.0, 1.0]], device=device)  # (1 position, rot_dim // 2 = 2)
