@@ -31,15 +31,18 @@ import itertools
 import json
 import multiprocessing
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kernels
 
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
@@ -197,23 +200,15 @@ def synchronize() -> None:
 
 
 def time_ms(fn: Callable[[], None], repeats: int) -> float:
+    """Median milliseconds of `fn` (kernels.py's CUDA-event timing); on the CPU (--smoke),
+    the mean over `repeats` runs."""
+    if DEVICE == "cuda":
+        return kernels.time_ms(fn, repeats)
     fn()
-    fn()
-    synchronize()
-    if DEVICE != "cuda":
-        start = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        return (time.perf_counter() - start) * 1e3 / repeats
-    times = []
+    start = time.perf_counter()
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
         fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return (time.perf_counter() - start) * 1e3 / repeats
 
 
 def ragged_check(shape: Shape, inputs: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
