@@ -15,7 +15,9 @@ key and value tensors with no block table and nothing written to a cache.
 
 Work split: one program takes BLOCK_Q consecutive queries of one request and one kv head,
 together with all query heads that share that kv head (BLOCK_M = BLOCK_Q * GROUP rows), so
-each key tile is loaded once for the whole group. With split-KV (flash-decoding) a third
+each key tile is loaded once for the whole group. A program's tiles up to the first key some
+row of it may not see (the causal edge, or a sequence's partial last tile) run without any
+mask; only the tiles from there on mask keys and scores. With split-KV (flash-decoding) a third
 grid axis cuts each request's keys into `num_splits` ranges; partial results (unnormalized
 output, running max, running sum) go to a scratch buffer that `split_kv.reduce_kv_splits`
 combines. That pays off when few requests with long contexts would leave most of the GPU
