@@ -57,6 +57,18 @@ class StageStepFailed(Exception):
         self.message = message
 
 
+class RanksStepFailed(Exception):
+    """A step failed on every tensor-parallel rank of this stage at the same point (rank 0's
+    sampling, whose failure it broadcasts): the ranks are still in step, the step alone
+    fails."""
+
+
+class TensorParallelRankFailed(RuntimeError):
+    """A step failed on one tensor-parallel rank by itself: the stage's other ranks may be
+    waiting in a collective this rank skipped, and their next collectives would pair with
+    the wrong ones. Fatal for the stage (the executor then stops every rank)."""
+
+
 class StageRunner(ModelRunner):
     """Runs one pipeline stage's share of each microbatch."""
 
@@ -94,7 +106,9 @@ class StageRunner(ModelRunner):
                       grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
         """Runs this stage's part of one microbatch; on the last stage returns its sampled
         tokens (an empty output elsewhere). Raises StageStepFailed when it failed here or
-        upstream, after passing the failure on; StagesOutOfStep (fatal) as it comes."""
+        upstream, after passing the failure on; StagesOutOfStep (fatal) as it comes; with
+        tensor parallelism, TensorParallelRankFailed (fatal) for an error of this rank's
+        own."""
         scheduler_output = request.scheduler_output
         self._step_id, self._received, self._sent = request.step_id, False, False
         self.recv_wait_s = 0.0
@@ -106,7 +120,15 @@ class StageRunner(ModelRunner):
         except UpstreamStepFailed as exc:
             self._received = True
             failure = StageStepFailed(exc.origin, exc.message)
+        except RanksStepFailed as exc:
+            failure = StageStepFailed(self.pipeline_stage.index, str(exc))
         except Exception as exc:  # any error fails the step; the stage goes on
+            if self.tp.size > 1:
+                raise TensorParallelRankFailed(
+                    f"tensor-parallel rank {self.tp.rank} of pipeline stage "
+                    f"{self.pipeline_stage.index} failed microbatch {request.step_id} by "
+                    f"itself ({type(exc).__name__}: {exc}); its ranks cannot stay in step"
+                ) from exc
             logger.exception("pipeline stage %d failed microbatch %d",
                              self.pipeline_stage.index, request.step_id)
             failure = StageStepFailed(self.pipeline_stage.index, f"{type(exc).__name__}: {exc}")
@@ -174,17 +196,17 @@ class StageRunner(ModelRunner):
         if tp.rank == 0:
             try:
                 output = super()._sample(forward, grammar_bitmask)
-            except Exception:
+            except Exception as exc:
                 dist.broadcast(message, src=source, group=tp.group)
-                raise
+                raise RanksStepFailed(f"{type(exc).__name__}: {exc}") from exc
             message[0] = 1
             message[1:] = output.sampled_token_ids
             dist.broadcast(message, src=source, group=tp.group)
             return output
         dist.broadcast(message, src=source, group=tp.group)
         if not int(message[0]):
-            raise RuntimeError(f"sampling failed on tensor-parallel rank 0 of stage "
-                               f"{self.pipeline_stage.index}")
+            raise RanksStepFailed(f"sampling failed on tensor-parallel rank 0 of stage "
+                                  f"{self.pipeline_stage.index}")
         return SamplerOutput(message[1:].clone(), None)
 
     def _pass_failure_on(self, failure: StageStepFailed) -> None:

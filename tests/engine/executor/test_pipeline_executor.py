@@ -42,12 +42,14 @@ def checkpoint(make_checkpoint: Callable[..., Path]) -> Path:
     return make_checkpoint(num_layers=3)
 
 
-def start_executor(path: Path, partition: list[int] | None = None) -> PipelineExecutor:
+def start_executor(path: Path, partition: list[int] | None = None, pp: int = 2,
+                   tp: int = 1) -> PipelineExecutor:
     arch = ModelArchConfig.from_pretrained(path)
     executor = PipelineExecutor(
         path, arch, torch.float32, torch.device("cpu"),
         CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=NUM_BLOCKS),
-        ParallelConfig(pipeline_parallel_size=2, pp_layer_partition=partition), **LIMITS)
+        ParallelConfig(pipeline_parallel_size=pp, tensor_parallel_size=tp,
+                       pp_layer_partition=partition), **LIMITS)
     executor.initialize_kv_cache(executor.num_blocks())
     return executor
 
@@ -226,6 +228,29 @@ def test_a_grammar_bitmask_reaches_the_last_stage(
         executor.execute_model(decode({"a1": 6, "a2": 5}), GrammarBitmask(["a1"], failing))
     executor.recover_from_failed_step(["a1", "a2"])
     assert tokens(executor.execute_model(prefill(B)))  # still in step
+
+
+def test_a_failed_sample_fails_the_step_on_every_tensor_parallel_rank_alone(
+    checkpoint: Path,
+) -> None:
+    # Rank 0 samples (it alone gets the bitmask): its failure reaches rank 1 with the
+    # tokens' broadcast, both fail the step at the same point and stay in step.
+    from kvferry.engine.structured_output.manager import GrammarBitmask
+
+    executor = start_executor(checkpoint, pp=1, tp=2)
+    try:
+        assert tokens(executor.execute_model(prefill(A)))
+        failing: Future[torch.Tensor] = Future()
+        failing.set_exception(RuntimeError("the grammar broke"))
+        with pytest.raises(PipelineStageError, match="the grammar broke"):
+            executor.execute_model(decode({"a1": 6, "a2": 5}), GrammarBitmask(["a1"], failing))
+        executor.recover_from_failed_step(["a1", "a2"])
+        assert executor.failure is None
+        reference = reference_runner(checkpoint)
+        assert tokens(executor.execute_model(prefill(B))) == tokens(
+            reference.execute_model(prefill(B)))
+    finally:
+        executor.shutdown()
 
 
 def test_a_killed_stage_fails_pending_and_later_microbatches(checkpoint: Path) -> None:

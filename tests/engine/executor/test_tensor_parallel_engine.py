@@ -2,13 +2,15 @@
 `tensor_parallel_size=2` alone, and 2 pipeline stages of 2 tensor-parallel ranks each,
 give the single-process engine's outputs token for token (greedy, seeded sampling,
 logprobs, prompt logprobs, chunked prefill, prefix hits, preemption, structured outputs
-whose bitmask only rank 0 of the last stage is sent). A killed rank ends the requests in flight with an
-error."""
+whose bitmask only rank 0 of the last stage is sent). A killed rank, or a step that fails on
+one rank by itself, ends the requests in flight with an error."""
 
 from __future__ import annotations
 
 import os
 import signal
+import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -191,4 +193,70 @@ def test_a_killed_rank_ends_the_requests_in_flight_with_an_error(checkpoint: Pat
     finally:
         engine.shutdown()
     # Rank 0, left waiting in a collective for the killed rank, was stopped too.
+    assert all(w.process.exitcode is not None for w in executor.workers)
+
+
+# Loaded by every Python process started with its folder first on PYTHONPATH (the workers):
+# rank KVFERRY_TEST_FAIL_RANK's forward raises once, when the flag file exists.
+FAIL_ONE_RANK = textwrap.dedent("""
+    import os
+
+    def _fail_once_on_one_rank():
+        from kvferry.engine.executor import stage_runner
+
+        rank, flag = int(os.environ["KVFERRY_TEST_FAIL_RANK"]), os.environ["KVFERRY_TEST_FAIL_FLAG"]
+        run_model = stage_runner.StageRunner._run_model
+
+        def run_or_fail(self, *args, **kwargs):
+            if self.tp.rank == rank and os.path.exists(flag):
+                os.remove(flag)
+                raise RuntimeError("a failure of this rank alone")
+            return run_model(self, *args, **kwargs)
+
+        stage_runner.StageRunner._run_model = run_or_fail
+
+    if os.environ.get("KVFERRY_TEST_FAIL_RANK"):
+        _fail_once_on_one_rank()
+""")
+
+
+def test_a_step_failing_on_one_rank_alone_ends_the_requests_instead_of_hanging(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Rank 0 waits in the forward's first all-reduce for a rank that skipped it: were the
+    # failure only that step's, rank 0 would wait there (gloo: 30 minutes), and its next
+    # collectives would pair with rank 1's of the next step.
+    (tmp_path / "sitecustomize.py").write_text(FAIL_ONE_RANK)
+    flag = tmp_path / "fail-now"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv("KVFERRY_TEST_FAIL_RANK", "1")
+    monkeypatch.setenv("KVFERRY_TEST_FAIL_FLAG", str(flag))
+    engine = make_engine(checkpoint, 1, 2)
+    executor = engine.engine_core.executor
+    assert isinstance(executor, PipelineExecutor)
+    # Without the fix the test would hang: after 60 s the workers are killed, which ends it.
+    watchdog = threading.Timer(60.0, lambda: [os.kill(w.process.pid, signal.SIGKILL)
+                                              for w in executor.workers
+                                              if w.process.exitcode is None])
+    watchdog.start()
+    try:
+        for i in range(3):
+            engine.add_request(f"r{i}", {"prompt_token_ids": [9 + i, 10 + i]}, greedy(50))
+        engine.step()
+        flag.touch()
+        failed_at = time.monotonic()
+        finished: dict[str, RequestOutput] = {}
+        while engine.has_unfinished_requests():
+            finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert time.monotonic() - failed_at < 15.0, "the engine waited for the stuck rank"
+        assert not flag.exists(), "rank 1 never ran the failing step"
+        assert sorted(finished) == ["r0", "r1", "r2"]
+        assert {o.outputs[0].finish_reason for o in finished.values()} == {"error"}
+        failure = str(executor.failure)
+        assert "tensor-parallel rank 1 of pipeline stage 0 failed microbatch" in failure
+        assert "a failure of this rank alone" in failure and "cannot stay in step" in failure
+    finally:
+        watchdog.cancel()
+        engine.shutdown()
     assert all(w.process.exitcode is not None for w in executor.workers)
