@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -45,3 +46,12 @@ def cluster(tmp_path: Path) -> Callable[[], contextlib.AbstractAsyncContextManag
                 raise
 
     return open_cluster
+
+
+def pytest_configure(config: object) -> None:
+    """Processes the session starts are stopped even if the session is killed (see
+    kvferry_testing.reaper)."""
+    if os.path.isdir("/proc"):
+        from kvferry_testing import reaper
+
+        reaper.start()

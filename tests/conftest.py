@@ -24,3 +24,11 @@ def _cuda_available() -> bool:
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def pytest_configure(config: object) -> None:
+    """Processes the session starts are stopped even if the session is killed (see
+    kvferry_testing.reaper)."""
+    if os.path.isdir("/proc"):
+        from kvferry_testing import reaper
+
+        reaper.start()
