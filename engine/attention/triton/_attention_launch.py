@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from kvferry.engine.attention.triton._runtime import next_power_of_2
+from kvferry.engine.attention.triton.split_kv import MIN_KEYS_PER_SPLIT, TARGET_PROGRAMS
 
 TUNING_ENV = "KVFERRY_ATTENTION_TUNING"
 # Register budget per program of `gpu_tiles`, in bytes of query rows plus keys times
@@ -70,8 +71,8 @@ class AttentionTuning:
 
     decode: dict[int, TileConfig] = field(default_factory=dict)
     prefill: dict[int, TileConfig] = field(default_factory=dict)
-    target_programs: int = 128
-    min_keys_per_split: int = 512
+    target_programs: int = TARGET_PROGRAMS
+    min_keys_per_split: int = MIN_KEYS_PER_SPLIT
     source: str = "built-in"
 
     @classmethod

@@ -19,6 +19,7 @@ from kvferry.engine.attention.triton._runtime import require_triton
 from kvferry.engine.attention.triton.split_kv import choose_num_kv_splits
 from kvferry.engine.attention.triton.unified_attention import (
     launch_kernel,
+    launch_tuning,
     prepare_output,
     split_policy,
 )
@@ -55,14 +56,16 @@ def encoder_attention(
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    tuning = launch_tuning(query)
     if num_kv_splits is None:
         # Keys per request are its queries: only batches of short inputs could split.
         num_kv_splits = choose_num_kv_splits(num_seqs, key.shape[1], max_query_len, max_query_len,
-                                             **split_policy(query))
+                                             **split_policy(tuning))
     # (num_tokens, 1, num_kv_heads, head_size): token t is block t of one slot.
     kv = (key.unsqueeze(1), value.unsqueeze(1))
     launch_kernel(
-        query, kv, query_start_loc, None, None, scale, False, max_query_len, num_kv_splits, out
+        query, kv, query_start_loc, None, None, scale, False, max_query_len, num_kv_splits, out,
+        tuning=tuning,
     )
     return out
 

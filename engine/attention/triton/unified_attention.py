@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from kvferry.engine.attention.triton._attention_inputs import check_attention_inputs
 from kvferry.engine.attention.triton._attention_launch import (
+    AttentionTuning,
     TileConfig,
     attention_tuning,
     device_capability,
@@ -309,25 +310,33 @@ def unified_attention(
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    tuning = launch_tuning(query)
     if num_kv_splits is None:
         max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
         num_kv_splits = choose_num_kv_splits(
             seq_lens.shape[0], key_cache.shape[2], max_query_len, max_seq_len,
-            **split_policy(query),
+            **split_policy(tuning),
         )
     launch_kernel(
         query, (key_cache, value_cache), query_start_loc, seq_lens,
-        block_table, scale, causal, max_query_len, num_kv_splits, out,
+        block_table, scale, causal, max_query_len, num_kv_splits, out, tuning=tuning,
     )
     return out
 
 
-def split_policy(query: torch.Tensor) -> dict[str, int]:
-    """`choose_num_kv_splits`' keyword arguments: on a GPU, the tuning table's split policy;
-    under the interpreter, the defaults."""
+def launch_tuning(query: torch.Tensor) -> AttentionTuning | None:
+    """The tuning table a launch on `query`'s device takes, looked up once per call (None
+    under the interpreter, where only the default split policy applies)."""
     if is_interpreted(_unified_attention_kernel) or query.device.type != "cuda":
+        return None
+    return attention_tuning(device_capability(query.device))
+
+
+def split_policy(tuning: AttentionTuning | None) -> dict[str, int]:
+    """`choose_num_kv_splits`' keyword arguments: the table's split policy, or the
+    defaults (no table)."""
+    if tuning is None:
         return {}
-    tuning = attention_tuning(device_capability(query.device))
     return {"target_programs": tuning.target_programs,
             "min_keys_per_split": tuning.min_keys_per_split}
 
@@ -359,9 +368,11 @@ def launch_kernel(
     num_kv_splits: int,
     out: torch.Tensor,  # (num_tokens, num_heads, head_size), written
     config: TileConfig | None = None,
+    tuning: AttentionTuning | None = None,
 ) -> None:
     """Launches the kernel (and the split-KV reduction) over inputs already checked;
-    `config` overrides the tuning table's tiles (on a GPU).
+    `config` overrides the tuning table's tiles (on a GPU); `tuning` is the table, when the
+    caller has looked it up (`launch_tuning`).
 
     `kv` is the key/value cache pair, or with `block_table` None the step's own keys and
     values as one-slot blocks (`encoder_attention`'s KV_FROM_BATCH mode).
@@ -376,7 +387,8 @@ def launch_kernel(
     else:
         table_strides = block_table.stride()
     tiles = launch_config(
-        query, num_kv_heads, max_query_len, is_interpreted(_unified_attention_kernel), config
+        query, num_kv_heads, max_query_len, is_interpreted(_unified_attention_kernel), config,
+        tuning,
     )
     is_split = num_kv_splits > 1
     partials = (
